@@ -1,0 +1,47 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+# torch, FBGEMM and TorchRec are pinned and installed in this order on purpose: torchrec's
+# metadata asks for the CUDA build `fbgemm-gpu`, which cannot load without CUDA, so the CPU
+# build goes in first and torchrec follows with --no-deps (its other needs are in pyproject).
+# On a GPU machine: make install FBGEMM=fbgemm-gpu==1.8.0 TORCH_INDEX=<your CUDA wheel index>
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+FBGEMM ?= fbgemm-gpu-cpu==1.8.0
+TORCH_INDEX ?=
+PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test lint bench stack stack-down clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PIP) $(FBGEMM)
+	$(PIP) --no-deps torchrec==1.8.0
+	$(PIP) -e ".[dev,triton]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/ett demo
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: install
+	$(BIN)/python benchmarks/run_all.py
+
+stack: install
+	$(BIN)/ett stack up
+
+stack-down: install
+	$(BIN)/ett stack down
+
+clean:
+	rm -rf runs .stack mlflow.db mlruns benchmarks/results
