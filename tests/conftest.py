@@ -7,3 +7,5 @@ import os
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+from tests.servers import mlflow_server, prefect_server, s3_server  # noqa: E402,F401
