@@ -1,0 +1,293 @@
+"""Flash-style jagged attention in Triton: no padding, forward + backward.
+
+Layout: q, k, v, o are contiguous [total, heads, dim]; sequence i owns rows
+offsets[i]:offsets[i+1]. A *block table* lists every (sequence, block of BLOCK rows) pair;
+one program handles one table entry and one head, so there is no program per padded
+position. The table's length has a sync-free upper bound (cdiv(total, BLOCK) + batch);
+programs past the real blocks exit at once.
+
+- forward: one program per (sequence, head, query block); loops over the key blocks of
+  the same sequence with an online softmax (running max m, running sum l) and stores the
+  output and the log-sum-exp (base 2) per row and head.
+- backward (flash-attention-2 style, no atomics): delta = rowsum(dO * O) in torch; one
+  kernel per (sequence, head, key block) accumulates dK, dV over the query blocks; one
+  kernel per (sequence, head, query block) accumulates dQ over the key blocks. Both
+  recompute P = exp2(S - lse) from the saved log-sum-exp.
+
+Under ``TRITON_INTERPRET=1`` (set before triton is imported) the kernels run on CPU
+tensors through Triton's interpreter (fp32/fp16 only: the interpreter has no bf16
+arithmetic). This module imports triton at import time: import it lazily.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from trainer.attention.reference import empty_result
+
+INTERPRETED = bool(triton.knobs.runtime.interpret)  # decided when the kernels are decorated
+LOG2E = 1.4426950408889634
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, Out, LSE, Offsets, BlockSeq, BlockStart,
+    num_seqs, stride_t, stride_h, head_dim, qk_scale,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.load(BlockSeq + pid)
+    if seq >= num_seqs:
+        return
+    row0 = tl.load(Offsets + seq)
+    seq_len = (tl.load(Offsets + seq + 1) - row0).to(tl.int32)
+    q_start = tl.load(BlockStart + pid)
+    offs_m = q_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < seq_len
+    d_ok = offs_d < head_dim
+    base = row0 * stride_t + head * stride_h
+    q = tl.load(Q + base + offs_m[:, None] * stride_t + offs_d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    hi = seq_len
+    if CAUSAL:
+        hi = tl.minimum(seq_len, q_start + BLOCK_M)
+    # Key 0 is visible to every row (padding rows included), so m_i is finite after the
+    # first block and exp2(m_i - m_new) never sees -inf - -inf.
+    for n0 in range(0, hi, BLOCK_N):
+        cols = n0 + offs_n
+        n_ok = cols < seq_len
+        kv_off = base + cols[:, None] * stride_t + offs_d[None, :]
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        keep = n_ok[None, :]
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= offs_m[:, None])
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    out_off = base + offs_m[:, None] * stride_t + offs_d[None, :]
+    tl.store(Out + out_off, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    lse_off = (row0 + offs_m) * (stride_t // stride_h) + head
+    tl.store(LSE + lse_off, m_i + tl.log2(l_i), mask=m_ok)
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, Delta, DK, DV, Offsets, BlockSeq, BlockStart,
+    num_seqs, stride_t, stride_h, head_dim, qk_scale, sm_scale,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.load(BlockSeq + pid)
+    if seq >= num_seqs:
+        return
+    row0 = tl.load(Offsets + seq)
+    seq_len = (tl.load(Offsets + seq + 1) - row0).to(tl.int32)
+    k_start = tl.load(BlockStart + pid)
+    offs_n = k_start + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < seq_len
+    d_ok = offs_d < head_dim
+    heads = stride_t // stride_h
+    base = row0 * stride_t + head * stride_h
+    kv_off = base + offs_n[:, None] * stride_t + offs_d[None, :]
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+    v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    lo = 0
+    if CAUSAL:
+        lo = (k_start // BLOCK_M) * BLOCK_M  # earlier query rows cannot see these keys
+    for m0 in range(lo, seq_len, BLOCK_M):
+        rows = m0 + offs_m
+        m_ok = rows < seq_len
+        q_off = base + rows[:, None] * stride_t + offs_d[None, :]
+        q_mask = m_ok[:, None] & d_ok[None, :]
+        q = tl.load(Q + q_off, mask=q_mask, other=0.0)
+        do = tl.load(DO + q_off, mask=q_mask, other=0.0)
+        lse = tl.load(LSE + (row0 + rows) * heads + head, mask=m_ok, other=0.0)
+        delta = tl.load(Delta + (row0 + rows) * heads + head, mask=m_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        keep = m_ok[:, None] & n_ok[None, :]
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= rows[:, None])
+        p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+
+    tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, LSE, Delta, DQ, Offsets, BlockSeq, BlockStart,
+    num_seqs, stride_t, stride_h, head_dim, qk_scale, sm_scale,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.load(BlockSeq + pid)
+    if seq >= num_seqs:
+        return
+    row0 = tl.load(Offsets + seq)
+    seq_len = (tl.load(Offsets + seq + 1) - row0).to(tl.int32)
+    q_start = tl.load(BlockStart + pid)
+    offs_m = q_start + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < seq_len
+    d_ok = offs_d < head_dim
+    heads = stride_t // stride_h
+    base = row0 * stride_t + head * stride_h
+    q_off = base + offs_m[:, None] * stride_t + offs_d[None, :]
+    q_mask = m_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + q_off, mask=q_mask, other=0.0)
+    do = tl.load(DO + q_off, mask=q_mask, other=0.0)
+    lse = tl.load(LSE + (row0 + offs_m) * heads + head, mask=m_ok, other=0.0)
+    delta = tl.load(Delta + (row0 + offs_m) * heads + head, mask=m_ok, other=0.0)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    hi = seq_len
+    if CAUSAL:
+        hi = tl.minimum(seq_len, q_start + BLOCK_M)
+    for n0 in range(0, hi, BLOCK_N):
+        cols = n0 + offs_n
+        n_ok = cols < seq_len
+        kv_off = base + cols[:, None] * stride_t + offs_d[None, :]
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        keep = m_ok[:, None] & n_ok[None, :]
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= offs_m[:, None])
+        p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+
+    tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+
+
+def block_table(offsets: torch.Tensor, total: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence id, first row within the sequence) of every BLOCK-row block; sync-free.
+
+    Entries past the real blocks have sequence id == batch (the kernels skip them).
+    """
+    batch = offsets.numel() - 1
+    lengths = offsets[1:] - offsets[:-1]
+    blocks = (lengths + block - 1) // block
+    ends = torch.cumsum(blocks, 0)
+    pid = torch.arange(triton.cdiv(total, block) + batch, device=offsets.device)
+    seq = torch.searchsorted(ends, pid, right=True)
+    first = (ends - blocks)[seq.clamp(max=batch - 1)]
+    return seq.to(torch.int32), ((pid - first) * block).to(torch.int32)
+
+
+def _default_blocks(dim: int) -> tuple[int, int]:
+    # History sequences are short (mean ~32): small query blocks waste fewer padded rows.
+    return (32, 32) if dim <= 64 else (64, 32)
+
+
+class _JaggedFlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, offsets, causal, block_m, block_n):  # noqa: D102
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        total, heads, dim = q.shape
+        o = torch.empty_like(q)
+        lse = torch.empty(total, heads, dtype=torch.float32, device=q.device)
+        ctx.cfg = dict(
+            num_seqs=offsets.numel() - 1, stride_t=heads * dim, stride_h=dim, head_dim=dim,
+            CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_D=max(16, triton.next_power_of_2(dim)),
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        )  # fmt: skip
+        ctx.sm_scale = 1.0 / math.sqrt(dim)
+        seq_m, start_m = block_table(offsets, total, block_m)
+        _fwd_kernel[(seq_m.numel(), heads)](
+            q, k, v, o, lse, offsets, seq_m, start_m,
+            qk_scale=ctx.sm_scale * LOG2E, num_warps=4, **ctx.cfg,
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, v, o, lse, offsets, seq_m, start_m)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):  # noqa: D102
+        q, k, v, o, lse, offsets, seq_m, start_m = ctx.saved_tensors
+        do = do.contiguous()
+        delta = (do.float() * o.float()).sum(-1)  # [total, heads]
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        heads = q.shape[1]
+        scales = dict(qk_scale=ctx.sm_scale * LOG2E, sm_scale=ctx.sm_scale, num_warps=4)
+        seq_n, start_n = block_table(offsets, q.shape[0], ctx.cfg["BLOCK_N"])
+        _bwd_dkdv_kernel[(seq_n.numel(), heads)](
+            q, k, v, do, lse, delta, dk, dv, offsets, seq_n, start_n, **scales, **ctx.cfg
+        )
+        _bwd_dq_kernel[(seq_m.numel(), heads)](
+            q, k, v, do, lse, delta, dq, offsets, seq_m, start_m, **scales, **ctx.cfg
+        )
+        return dq, dk, dv, None, None, None, None
+
+
+def triton_jagged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    causal: bool = False,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Jagged attention with the Triton kernels; inputs already validated by ``dispatch``."""
+    if not q.is_cuda and not INTERPRETED:
+        raise RuntimeError(
+            "impl='triton' on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
+            "in the environment before triton is first imported (or use impl='cpu')"
+        )
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"impl='triton' supports {SUPPORTED_DTYPES}, got {q.dtype}")
+    if INTERPRETED and q.dtype == torch.bfloat16:
+        raise TypeError("the Triton interpreter has no bf16 arithmetic: use float32 on CPU")
+    total, heads, dim = q.shape
+    if dim > MAX_HEAD_DIM:
+        raise ValueError(f"impl='triton' supports head dim <= {MAX_HEAD_DIM}, got {dim}")
+    if total == 0 or offsets.numel() <= 1:
+        return empty_result(q, k, v)
+    default_m, default_n = _default_blocks(dim)
+    block_m, block_n = block_m or default_m, block_n or default_n
+    for name, b in (("block_m", block_m), ("block_n", block_n)):
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {b}")
+    return _JaggedFlashAttention.apply(q, k, v, offsets, causal, block_m, block_n)
