@@ -1,0 +1,371 @@
+"""The ETT calculator: partitions a job's wall time W into disjoint buckets from its ledger.
+
+W runs from the first rank-0 event to the end of the last one (normally the last attempt's
+shutdown); every instant of W goes to exactly one bucket, so the buckets sum to W. Spans
+overlap (launcher_init over trainer init, a checkpoint nested in a step), so an instant that
+several cover goes to the first in ``PRIORITY`` (a sweep over elementary intervals):
+
+    checkpoint_blocking > eval > effective_training > wasted_training > shutdown
+        > recovery (window) > startup (window) > other
+
+``startup`` is W's start up to the first attempt's first train_step (or its death, if it never
+stepped), plus a planned restart (an attempt ended by shutdown without job_end) up to the next
+step; ``recovery`` is, per failure, the failed attempt's last event up to the first train_step
+of a later attempt; ``other`` is the rest (gaps between steps, ...). A train_step execution is
+effective if it is the last execution of its step number (by attempt, then start), else it was
+redone later: wasted. Only rank 0 is partitioned (DESIGN.md); other ranks feed straggler stats.
+ETT% = effective/W, Failure% = (wasted + recovery)/W, Idleness% = 100 - ETT% - Failure%.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from infra.ledger import INIT_SPANS, PUBLISH_SPANS, Event, read_events
+
+BUCKETS = ("effective_training", "wasted_training", "checkpoint_blocking", "startup",
+           "recovery", "eval", "shutdown", "other")
+# Highest first: an instant covered by several spans/windows goes to the first of them.
+PRIORITY = ("checkpoint_blocking", "eval", "effective_training", "wasted_training", "shutdown",
+            "recovery", "startup", "other")
+FAILURE_BUCKETS = ("wasted_training", "recovery")
+# Stages whose overlap decides how long an attempt takes to reach its first step.
+STARTUP_STAGES = ("scheduling", "hardware_setup", "launcher_init", *INIT_SPANS)
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """One failed attempt; times are seconds from W's start.
+
+    The recovery window runs from ``died_at`` (the attempt's last own event) to ``resumed_at``
+    (the first train_step of a later attempt), cut short where the next failure's window
+    begins, so the windows are disjoint and their sum is the total Time to Recover.
+    """
+
+    attempt: int
+    cause: str
+    last_step: int | None
+    died_at: float
+    detected_at: float | None
+    resumed_at: float | None
+    time_to_recover_s: float
+
+
+@dataclass(frozen=True)
+class InitBreakdown:
+    """Startup sub-stages of one attempt: their sum, their union and the critical path."""
+
+    attempt: int
+    stages: dict[str, float]
+    sum_s: float
+    union_s: float
+    wall_s: float | None  # the attempt's first event -> its first train_step
+    critical_path: tuple[str, ...]
+    critical_path_s: float
+
+
+@dataclass(frozen=True)
+class AttemptSummary:
+    attempt: int
+    start: float  # seconds from W's start
+    end: float
+    outcome: str  # completed | failed | stopped | unfinished
+    first_step: int | None
+    last_step: int | None
+
+
+@dataclass(frozen=True)
+class EttReport:
+    """Everything the calculator derives from one job's ledger (times in seconds)."""
+
+    start_time: float
+    wall_s: float
+    buckets: dict[str, float]
+    ett_pct: float
+    failure_pct: float
+    idleness_pct: float
+    time_to_start_s: float | None
+    num_failures: int
+    failures: tuple[FailureRecord, ...]
+    time_to_recover_total_s: float
+    observed_unsaved_s: float
+    train_loop_s: float
+    num_steps: int
+    num_step_executions: int
+    step_time_median_s: float | None
+    step_time_mad_s: float | None
+    checkpoint_blocking_total_s: float
+    checkpoint_blocking_mean_s: float | None
+    num_checkpoints_committed: int
+    checkpoint_interval_s: float | None
+    checkpoint_interval_steps: float | None
+    commit_latency_s: float | None
+    predicted_unsaved_s: float | None
+    predicted_blocking_s: float | None
+    attempts: tuple[AttemptSummary, ...]
+    init: tuple[InitBreakdown, ...]
+    rank_step_median_s: dict[int, float]
+    finished: bool
+    segments: tuple[tuple[float, float, str], ...] = field(repr=False, default=())
+
+    def bucket_pct(self) -> dict[str, float]:
+        return {b: 100.0 * v / self.wall_s if self.wall_s else 0.0 for b, v in self.buckets.items()}
+
+    def to_dict(self, include_segments: bool = False) -> dict[str, Any]:
+        """JSON-able dict (int keys become strings); segments only on request (they are long)."""
+        out = asdict(self)
+        out["rank_step_median_s"] = {str(k): v for k, v in self.rank_step_median_s.items()}
+        out["bucket_pct"] = self.bucket_pct()
+        if not include_segments:
+            out.pop("segments")
+        return out
+
+    def to_metrics(self) -> dict[str, float]:
+        """Flat numeric metrics (MLflow-style): headline numbers, buckets, L1 metrics."""
+        scalars = {k: float(v) for k, v in self.to_dict().items()
+                   if isinstance(v, int | float) and not isinstance(v, bool)}
+        return scalars | {f"bucket_{k}_s": v for k, v in self.buckets.items()}
+
+
+def report_for_job(job_url: str, interval_s: float | None = None) -> EttReport:
+    """Read a job's ledger (every attempt, rank and role) and compute its report."""
+    return compute_report(read_events(job_url), interval_s=interval_s)
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """Wall time covered by at least one of the (start, end) spans."""
+    total, reach = 0.0, -math.inf
+    for s, e in sorted(spans):
+        if e > reach:
+            total, reach = total + e - max(s, reach), e
+    return total
+
+
+def critical_path(spans: list[Event]) -> list[Event]:
+    """The chain of stages that set the end time, walking back from the stage that ends last.
+
+    A stage's predecessor is, among the stages that began before it, the one still running
+    latest before it began (max of min(end, its start)): the one it waited for, or that was
+    still busy when it took over. Ties go to the later-starting stage. Stops at the earliest.
+    """
+    if not spans:
+        return []
+    cur = max(spans, key=lambda e: (e.end, -e.start))
+    path = [cur]
+    while earlier := [e for e in spans if e.start < cur.start]:
+        cur = max(earlier, key=lambda e, s=cur.start: (min(e.end, s), e.start))
+        path.append(cur)
+    return path[::-1]
+
+
+def partition(
+    intervals: list[tuple[float, float, str]], t0: float, t1: float
+) -> tuple[dict[str, float], list[tuple[float, float, str]]]:
+    """Sweep the elementary intervals of [t0, t1]; each goes to its highest-priority cover.
+
+    Returns the per-bucket totals (math.fsum of exact differences, so they sum to t1 - t0)
+    and the merged segments (start, end, bucket) relative to t0.
+    """
+    rank = {b: i for i, b in enumerate(PRIORITY)}
+    points: list[tuple[float, int, int]] = []
+    for s, e, bucket in intervals:
+        s, e = max(s, t0), min(e, t1)
+        if e > s:
+            points += [(s, 1, rank[bucket]), (e, -1, rank[bucket])]
+    points.sort(key=lambda p: p[0])
+    counts = [0] * len(PRIORITY)
+    parts: dict[str, list[float]] = {b: [] for b in BUCKETS}
+    segments: list[tuple[float, float, str]] = []
+    prev, i = t0, 0
+    while prev < t1:
+        t = points[i][0] if i < len(points) else t1
+        if t > prev:
+            bucket = next((PRIORITY[k] for k, c in enumerate(counts) if c > 0), "other")
+            parts[bucket].append(t - prev)
+            a, b = prev - t0, t - t0
+            if segments and segments[-1][2] == bucket and segments[-1][1] == a:
+                segments[-1] = (segments[-1][0], b, bucket)
+            else:
+                segments.append((a, b, bucket))
+            prev = t
+        while i < len(points) and points[i][0] <= prev:
+            counts[points[i][2]] += points[i][1]
+            i += 1
+    return {b: math.fsum(v) for b, v in parts.items()}, segments
+
+
+def _init_breakdown(attempt: int, evs: list[Event], first_step_t: float | None) -> InitBreakdown:
+    stages = [e for e in evs if e.kind == "span" and e.name in STARTUP_STAGES
+              and (first_step_t is None or e.start < first_step_t)]
+    durations: dict[str, float] = defaultdict(float)
+    for e in stages:
+        durations[e.name] += e.duration
+    path = critical_path(stages)
+    return InitBreakdown(
+        attempt=attempt,
+        stages=dict(durations),
+        sum_s=math.fsum(durations.values()),
+        union_s=union_length([(e.start, e.end) for e in stages]),
+        wall_s=None if first_step_t is None else first_step_t - min(e.start for e in evs),
+        critical_path=tuple(e.name for e in path),
+        critical_path_s=union_length([(e.start, e.end) for e in path]),
+    )
+
+
+def _attempts(
+    order: list[int], by_attempt: dict[int, list[Event]], steps: list[Event], t0: float
+) -> tuple[list[AttemptSummary], list[tuple[float, int, Event | None]], list[tuple[float, int]]]:
+    """Classify attempts; return them, the failed ones (last event time, attempt, first failure
+    mark) and the clean non-final ends (planned restarts)."""
+    attempts, died, restarts = [], [], []
+    for a in order:
+        marks = sorted((e for e in by_attempt[a] if e.name == "failure"), key=lambda e: e.start)
+        own = [e for e in by_attempt[a] if e.name != "failure"] or by_attempt[a]
+        names = {e.name for e in own}
+        nums = [e.step for e in steps if e.attempt == a and e.step is not None]
+        if marks or (a != order[-1] and not names & {"job_end", "shutdown"}):
+            outcome = "failed"
+        elif "job_end" in names:
+            outcome = "completed"
+        else:
+            outcome = "stopped" if "shutdown" in names else "unfinished"
+        end = max(e.end for e in own)
+        start = min(e.start for e in by_attempt[a])
+        attempts.append(AttemptSummary(a, start - t0, end - t0, outcome,
+                                       min(nums, default=None), max(nums, default=None)))
+        if outcome == "failed":
+            died.append((end, a, marks[0] if marks else None))
+        elif outcome == "stopped" and a != order[-1]:
+            restarts.append((end, a))
+    return attempts, sorted(died, key=lambda d: d[0]), restarts
+
+
+def _failures(
+    died: list[tuple[float, int, Event | None]], attempts: list[AttemptSummary],
+    steps: list[Event], t0: float, t1: float,
+) -> tuple[list[FailureRecord], list[tuple[float, float, str]]]:
+    """Per failure: its disjoint recovery window (see FailureRecord) and what the mark says."""
+    last_step = {s.attempt: s.last_step for s in attempts}
+    out, windows = [], []
+    for i, (t_died, a, mark) in enumerate(died):
+        resumed = min((e.start for e in steps if e.attempt > a and e.start >= t_died), default=None)
+        end = t1 if resumed is None else resumed
+        if i + 1 < len(died):
+            end = min(end, died[i + 1][0])
+        windows.append((t_died, end, "recovery"))
+        attrs = mark.attrs if mark else {}
+        step = mark.step if mark and mark.step is not None else attrs.get("step")
+        out.append(FailureRecord(
+            attempt=a,
+            cause=str(attrs.get("cause", "unobserved")),
+            last_step=last_step[a] if step is None else step,
+            died_at=t_died - t0,
+            detected_at=None if mark is None else mark.start - t0,
+            resumed_at=None if resumed is None or end != resumed else resumed - t0,
+            time_to_recover_s=end - t_died,
+        ))
+    return out, windows
+
+
+def compute_report(events: list[Event], interval_s: float | None = None) -> EttReport:
+    """Partition W and derive the L1 metrics; ``interval_s`` overrides the observed interval."""
+    job = [e for e in events if e.rank == 0 and e.name not in PUBLISH_SPANS]
+    if not job:
+        raise ValueError("no rank-0 events in the ledger: nothing to account for")
+    t0, t1 = min(e.start for e in job), max(e.end for e in job)
+    by_attempt: dict[int, list[Event]] = defaultdict(list)
+    for e in job:
+        by_attempt[e.attempt].append(e)
+    order = sorted(by_attempt)
+    steps = sorted((e for e in job if e.name == "train_step"), key=lambda e: (e.attempt, e.start))
+    first_step: dict[int, float] = {}
+    last_end: dict[int, float] = {}
+    for e in steps:
+        first_step.setdefault(e.attempt, e.start)
+        last_end[e.attempt] = max(last_end.get(e.attempt, e.end), e.end)
+    attempts, died, restarts = _attempts(order, by_attempt, steps, t0)
+    failures, windows = _failures(died, attempts, steps, t0, t1)
+
+    # -- windows, then spans: effective vs wasted steps, then the sweep --------------------
+    for t_end, a in restarts:
+        resumed = min((e.start for e in steps if e.attempt > a and e.start >= t_end), default=t1)
+        windows.append((t_end, resumed, "startup"))
+    first = first_step.get(order[0], min((e.start for e in steps), default=None))
+    windows.append((t0, min([first if first is not None else t1] + [d[0] for d in died]),
+                    "startup"))
+    last_exec: dict[Any, Event] = {}
+    for e in steps:  # ordered by (attempt, start): the last one seen wins
+        last_exec[e.step if e.step is not None else id(e)] = e
+    kept = {id(e) for e in last_exec.values()}
+    spans = [(e.start, e.end, "effective_training" if id(e) in kept else "wasted_training")
+             for e in steps]
+    spans += [(e.start, e.end, e.name) for e in job
+              if e.name in ("checkpoint_blocking", "eval", "shutdown")]
+    buckets, segments = partition(spans + windows, t0, t1)
+    wall = t1 - t0
+    ett = 100.0 * buckets["effective_training"] / wall if wall > 0 else 0.0
+    fail = 100.0 * math.fsum(buckets[b] for b in FAILURE_BUCKETS) / wall if wall > 0 else 0.0
+
+    # -- L1 and checkpoint metrics --------------------------------------------------------
+    durations = [e.duration for e in steps]
+    med = _median(durations)
+    ckpts = sorted((e for e in job if e.name == "checkpoint_blocking"),
+                   key=lambda e: (e.attempt, e.start))
+    pairs = [(a, b) for a, b in zip(ckpts, ckpts[1:], strict=False) if a.attempt == b.attempt]
+    gaps_steps = [float(b.step - a.step) for a, b in pairs if None not in (a.step, b.step)]
+    blocking_total = math.fsum(e.duration for e in ckpts)
+    blocking_mean = blocking_total / len(ckpts) if ckpts else None
+    loop = math.fsum(last_end[a] - first_step[a] for a in first_step)
+    interval = interval_s if interval_s is not None else _median([b.start - a.start
+                                                                  for a, b in pairs])
+    if interval is None and ckpts and loop > 0:
+        interval = loop / len(ckpts)
+    blocks = {(e.attempt, e.step): e.end for e in ckpts}
+    commits = [e for e in job if e.name == "checkpoint_committed"]
+    latency = [e.start - blocks[(e.attempt, e.step)] for e in commits
+               if (e.attempt, e.step) in blocks]
+    per_rank: dict[int, list[float]] = defaultdict(list)
+    for e in events:
+        if e.name == "train_step":
+            per_rank[e.rank].append(e.duration)
+    return EttReport(
+        start_time=t0,
+        wall_s=wall,
+        buckets=buckets,
+        ett_pct=ett,
+        failure_pct=fail,
+        idleness_pct=100.0 - ett - fail,
+        time_to_start_s=None if first is None else first - t0,
+        num_failures=len(failures),
+        failures=tuple(failures),
+        time_to_recover_total_s=math.fsum(f.time_to_recover_s for f in failures),
+        observed_unsaved_s=math.fsum(e.duration for e in steps if id(e) not in kept),
+        train_loop_s=loop,
+        num_steps=len(last_exec),
+        num_step_executions=len(steps),
+        step_time_median_s=med,
+        step_time_mad_s=None if med is None else _median([abs(d - med) for d in durations]),
+        checkpoint_blocking_total_s=blocking_total,
+        checkpoint_blocking_mean_s=blocking_mean,
+        num_checkpoints_committed=len(commits),
+        checkpoint_interval_s=interval,
+        checkpoint_interval_steps=_median(gaps_steps),
+        commit_latency_s=_median(latency),
+        predicted_unsaved_s=None if interval is None else len(failures) * interval / 2,
+        predicted_blocking_s=(
+            None if not interval or blocking_mean is None else loop / interval * blocking_mean
+        ),
+        attempts=tuple(attempts),
+        init=tuple(_init_breakdown(a, by_attempt[a], first_step.get(a)) for a in order),
+        rank_step_median_s={r: statistics.median(v) for r, v in sorted(per_rank.items())},
+        finished=any(a.outcome == "completed" for a in attempts),
+        segments=tuple(segments),
+    )

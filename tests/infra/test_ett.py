@@ -1,0 +1,321 @@
+"""The ETT calculator against hand-computed timelines and random ledgers.
+
+The hand-built job (seconds after T0; orchestrator events are rank 0, role "orchestrator")::
+
+    attempt 0  orch  scheduling [0,2]  launcher_init [2,5]
+               train device_init [3,4] process_group_init [4,6] train_module_creation [6,8]
+                     pre_train [7,9] get_first_batch_data [9,10]
+                     step1 [10,12] step2 [12,14] (checkpoint_blocking [13,14] nested, commit @15)
+                     step3 [14,16]  gap  step4 [16.5,18.5]  -- SIGKILL during step 5 (no span)
+               orch  failure @20 (cause sigkill, step 4)
+    attempt 1  orch  scheduling [20,21] launcher_init [21,23]
+               train device_init [22,23] pre_train [23,25] get_first_batch_data [25,26]
+                     step3 [26,28] step4 [28,30] eval [30,31] checkpoint_blocking [31,31.5]
+                     (commit @32) step5 [31.5,33.5] shutdown [34,36] job_end @36
+    rank 1     steps of 2.5 s and a shutdown to 40 (must not move W's end)
+
+By hand, W = 36 and:
+    startup   [0,10]                                   = 10
+    effective step1 2 + step2 1 (minus blocking) + a1 steps 3,4,5 (2 each) = 9
+    wasted    a0 step3 [14,16] + step4 [16.5,18.5]      = 4  (redone by attempt 1)
+    blocking  [13,14] + [31,31.5]                       = 1.5
+    recovery  [18.5,26] (a0's last event -> a1 step 3) = 7.5
+    eval 1, shutdown 2, other [16,16.5] + [33.5,34]     = 1
+ETT% = 9/36 = 25%, Failure% = 11.5/36.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import uuid
+
+import pytest
+
+from infra import ett
+from infra.ett import compute_report, partition, report_for_job
+from infra.ledger import INIT_SPANS, Ledger, ledger_url, read_events
+
+T0 = 1_700_000_000.0  # realistic Unix times: exactness must survive large magnitudes
+
+
+def _write_job(job_url: str) -> None:
+    clock = lambda: T0  # noqa: E731 - every time below is given explicitly
+    orch0 = Ledger(job_url, attempt=0, role="orchestrator", clock=clock)
+    orch0.record_span("scheduling", T0 + 0, T0 + 2)
+    orch0.record_span("launcher_init", T0 + 2, T0 + 5)
+    with Ledger(job_url, attempt=0, clock=clock) as tr:
+        tr.mark("attempt_start", t=T0 + 3)
+        for name, s, e in [("device_init", 3, 4), ("process_group_init", 4, 6),
+                           ("train_module_creation", 6, 8), ("pre_train", 7, 9),
+                           ("get_first_batch_data", 9, 10)]:
+            tr.record_span(name, T0 + s, T0 + e)
+        for step, s, e in [(1, 10, 12), (2, 12, 14), (3, 14, 16), (4, 16.5, 18.5)]:
+            tr.record_span("train_step", T0 + s, T0 + e, step=step)
+            if step == 2:
+                tr.record_span("checkpoint_blocking", T0 + 13, T0 + 14, step=2)
+                tr.mark("checkpoint_committed", step=2, t=T0 + 15)
+    orch0.mark("failure", step=4, t=T0 + 20, cause="sigkill")
+    orch0.close()
+    with Ledger(job_url, attempt=1, role="orchestrator", clock=clock) as orch1:
+        orch1.record_span("scheduling", T0 + 20, T0 + 21)
+        orch1.record_span("launcher_init", T0 + 21, T0 + 23)
+    with Ledger(job_url, attempt=1, clock=clock) as tr:
+        tr.mark("attempt_start", t=T0 + 22)
+        tr.mark("resume", step=2, t=T0 + 23)
+        for name, s, e in [("device_init", 22, 23), ("pre_train", 23, 25),
+                           ("get_first_batch_data", 25, 26)]:
+            tr.record_span(name, T0 + s, T0 + e)
+        for step, s, e in [(3, 26, 28), (4, 28, 30), (5, 31.5, 33.5)]:
+            tr.record_span("train_step", T0 + s, T0 + e, step=step)
+            if step == 4:
+                tr.record_span("eval", T0 + 30, T0 + 31)
+                tr.record_span("checkpoint_blocking", T0 + 31, T0 + 31.5, step=4)
+                tr.mark("checkpoint_committed", step=4, t=T0 + 32)
+        tr.record_span("shutdown", T0 + 34, T0 + 36)
+        tr.mark("job_end", t=T0 + 36)
+    with Ledger(job_url, attempt=1, rank=1, clock=clock) as r1:
+        for step, s in [(3, 26), (4, 28.5), (5, 31.5)]:
+            r1.record_span("train_step", T0 + s, T0 + s + 2.5, step=step)
+        r1.record_span("shutdown", T0 + 34, T0 + 40)
+
+
+EXPECTED = {
+    "effective_training": 9.0,
+    "wasted_training": 4.0,
+    "checkpoint_blocking": 1.5,
+    "startup": 10.0,
+    "recovery": 7.5,
+    "eval": 1.0,
+    "shutdown": 2.0,
+    "other": 1.0,
+}
+
+
+@pytest.fixture(params=["file", "memory"])
+def job_url(request: pytest.FixtureRequest, tmp_path) -> str:
+    url = str(tmp_path / "job") if request.param == "file" else f"memory://ett-{uuid.uuid4().hex}"
+    _write_job(url)
+    return url
+
+
+def test_hand_computed_buckets_and_l1_metrics(job_url: str) -> None:
+    r = report_for_job(job_url)
+    assert r.wall_s == 36.0 and r.start_time == T0
+    assert r.buckets == EXPECTED
+    assert r.ett_pct == 25.0
+    assert r.failure_pct == pytest.approx(100 * 11.5 / 36, abs=1e-12)
+    assert r.ett_pct + r.failure_pct + r.idleness_pct == pytest.approx(100.0, abs=1e-12)
+    assert r.time_to_start_s == 10.0
+    assert r.num_failures == 1 and r.time_to_recover_total_s == 7.5
+    (f,) = r.failures
+    assert (f.attempt, f.cause, f.last_step) == (0, "sigkill", 4)
+    assert (f.died_at, f.detected_at, f.resumed_at, f.time_to_recover_s) == (18.5, 20, 26, 7.5)
+    assert r.observed_unsaved_s == 4.0
+    assert (r.num_steps, r.num_step_executions) == (5, 7)
+    assert (r.step_time_median_s, r.step_time_mad_s) == (2.0, 0.0)
+    assert r.checkpoint_blocking_total_s == 1.5 and r.checkpoint_blocking_mean_s == 0.75
+    assert r.num_checkpoints_committed == 2 and r.commit_latency_s == 0.75
+    # One checkpoint per attempt: interval = train-loop time / checkpoints = (8.5 + 7.5) / 2.
+    assert r.train_loop_s == 16.0 and r.checkpoint_interval_s == 8.0
+    assert r.predicted_unsaved_s == 4.0  # 1 failure x 8 / 2
+    assert r.predicted_blocking_s == 1.5  # 16 / 8 x 0.75
+    assert [(a.attempt, a.outcome, a.first_step, a.last_step) for a in r.attempts] == [
+        (0, "failed", 1, 4),
+        (1, "completed", 3, 5),
+    ]
+    assert r.finished and r.rank_step_median_s == {0: 2.0, 1: 2.5}
+
+
+def test_startup_substages_and_critical_path(job_url: str) -> None:
+    a0, a1 = report_for_job(job_url).init
+    assert a0.stages["launcher_init"] == 3.0 and a0.stages["pre_train"] == 2.0
+    assert (a0.sum_s, a0.union_s, a0.wall_s) == (13.0, 10.0, 10.0)
+    # pre_train began at 7 while train_module_creation [6,8] still ran: it is on the path;
+    # device_init began at 3 while launcher_init [2,5] ran (launcher_init started the trainer).
+    assert a0.critical_path == (
+        "scheduling", "launcher_init", "device_init", "process_group_init",
+        "train_module_creation", "pre_train", "get_first_batch_data",
+    )
+    assert a0.critical_path_s == 10.0
+    assert (a1.sum_s, a1.union_s, a1.wall_s, a1.critical_path_s) == (7.0, 6.0, 6.0, 6.0)
+    assert a1.critical_path == (
+        "scheduling", "launcher_init", "device_init", "pre_train", "get_first_batch_data"
+    )
+
+
+def test_torn_last_line_is_ignored(tmp_path) -> None:
+    url = str(tmp_path / "job")
+    _write_job(url)
+    path = tmp_path / "job" / "ledger" / "trainer-attempt001-rank000.jsonl"
+    with open(path, "a") as fh:
+        fh.write('{"v":1,"kind":"span","name":"train_step","start":17000')
+    assert report_for_job(url).buckets == EXPECTED
+
+
+def test_to_dict_is_json_and_metrics_are_flat(job_url: str) -> None:
+    import json
+
+    r = report_for_job(job_url)
+    d = json.loads(json.dumps(r.to_dict()))
+    assert d["buckets"] == EXPECTED and "segments" not in d
+    assert d["bucket_pct"]["effective_training"] == 25.0
+    assert all(isinstance(v, float) for v in r.to_metrics().values())
+    segs = r.to_dict(include_segments=True)["segments"]
+    assert segs[0] == (0.0, 10.0, "startup") and segs[-1] == (34.0, 36.0, "shutdown")
+
+
+def test_unmarked_death_counts_as_failure_and_planned_restart_is_startup(tmp_path) -> None:
+    """Attempt 0 dies without a failure mark (a later attempt exists, no shutdown): failure.
+    Attempt 1 ends with a shutdown but no job_end, attempt 2 follows: a planned restart."""
+    url = str(tmp_path / "job")
+    for attempt, (s, e, steps) in enumerate([(0, 5, [1, 2]), (8, 12, [2, 3]), (14, 17, [4])]):
+        with Ledger(url, attempt=attempt, clock=lambda: T0) as tr:
+            tr.record_span("device_init", T0 + s, T0 + s + 1)
+            for i, step in enumerate(steps):
+                tr.record_span("train_step", T0 + s + 1 + i, T0 + s + 2 + i, step=step)
+            if attempt:
+                tr.record_span("shutdown", T0 + e - 1, T0 + e)
+        if attempt == 2:
+            Ledger(url, attempt=2, clock=lambda: T0).mark("job_end", t=T0 + e)
+    r = report_for_job(url)
+    assert [a.outcome for a in r.attempts] == ["failed", "stopped", "completed"]
+    assert r.num_failures == 1 and r.failures[0].cause == "unobserved"
+    # startup [0,1]; a0 steps [1,2] wasted? no: step 1 kept, step 2 redone -> [2,3] wasted;
+    # recovery [3,9]; a1 steps [9,11] effective; shutdown [11,12]; restart [12,15] startup
+    # (device_init inside); step 4 [15,16]; shutdown [16,17].
+    assert r.buckets["wasted_training"] == 1.0 and r.buckets["recovery"] == 6.0
+    assert r.buckets["startup"] == 1.0 + 3.0 and r.buckets["effective_training"] == 4.0
+    assert r.buckets["shutdown"] == 2.0 and r.buckets["other"] == 0.0
+    assert r.wall_s == 17.0
+
+
+def test_empty_ledger_is_an_error() -> None:
+    with pytest.raises(ValueError):
+        compute_report([])
+
+
+# -- property-style checks ----------------------------------------------------------------
+def _naive_partition(intervals, t0, t1):
+    """Reference: classify the midpoint of each elementary interval by scanning all spans."""
+    cuts = sorted({t0, t1, *(max(t0, min(t1, x)) for s, e, _ in intervals for x in (s, e))})
+    out = dict.fromkeys(ett.BUCKETS, 0.0)
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        mid = (a + b) / 2
+        cover = [k for s, e, k in intervals if s <= mid < e]
+        out[min(cover, key=ett.PRIORITY.index) if cover else "other"] += b - a
+    return out
+
+
+def test_partition_matches_naive_sweep_on_random_intervals() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        t0 = T0 + rng.uniform(0, 10)
+        t1 = t0 + rng.uniform(1, 100)
+        ivs = []
+        for _ in range(rng.randint(0, 30)):
+            s = rng.uniform(t0 - 5, t1)
+            ivs.append((s, s + rng.uniform(0, 20), rng.choice(ett.PRIORITY[:-1])))
+        got, segments = partition(ivs, t0, t1)
+        ref = _naive_partition(ivs, t0, t1)
+        for b in ett.BUCKETS:
+            assert got[b] == pytest.approx(ref[b], abs=1e-6)
+        assert math.fsum(got.values()) == pytest.approx(t1 - t0, rel=1e-12)
+        assert all(a < b for a, b, _ in segments)
+
+
+def _random_job(rng: random.Random, url: str) -> None:
+    t, step = T0 + rng.uniform(0, 1e5), 1
+    n_attempts = rng.randint(1, 4)
+    for attempt in range(n_attempts):
+        orch = Ledger(url, attempt=attempt, role="orchestrator", clock=lambda: T0)
+        tr = Ledger(url, attempt=attempt, clock=lambda: T0)
+        d = rng.uniform(0, 3)
+        orch.record_span("scheduling", t, t + d)
+        orch.record_span("launcher_init", t + d, t + d + rng.uniform(0, 3))
+        t += d + rng.uniform(0, 2)
+        for name in rng.sample(INIT_SPANS, rng.randint(0, len(INIT_SPANS))):
+            s = t + rng.uniform(-0.5, 1)
+            tr.record_span(name, s, s + rng.uniform(0.01, 2))
+            t = max(t, s + rng.uniform(0, 2))
+        step = max(1, step - rng.randint(0, 5))  # resumed attempts redo a few steps
+        for _ in range(rng.randint(0, 30)):
+            dur = rng.uniform(0.05, 1)
+            tr.record_span("train_step", t, t + dur, step=step)
+            if rng.random() < 0.2:
+                s = t + rng.uniform(0, dur)
+                tr.record_span("checkpoint_blocking", s, s + rng.uniform(0, 1), step=step)
+            if rng.random() < 0.1:
+                tr.record_span("eval", t + dur, t + dur + rng.uniform(0, 1))
+            t += dur + rng.choice([0.0, 0.0, rng.uniform(0, 0.5)])
+            step += 1
+        last = attempt == n_attempts - 1
+        if last or rng.random() < 0.3:
+            tr.record_span("shutdown", t, t + rng.uniform(0, 2))
+        if not last and rng.random() < 0.8:
+            orch.mark("failure", t=t + rng.uniform(0, 5), cause="crash", step=step - 1)
+        if last and rng.random() < 0.8:
+            tr.mark("job_end", t=t + 2)
+        t += rng.uniform(0, 10)
+        tr.close()
+        orch.close()
+
+
+def test_invariants_on_random_ledgers(tmp_path) -> None:
+    rng = random.Random(2026)
+    for i in range(60):
+        url = str(tmp_path / f"job{i}")
+        _random_job(rng, url)
+        r = report_for_job(url)
+        assert set(r.buckets) == set(ett.BUCKETS)
+        assert all(v >= 0 for v in r.buckets.values())
+        assert math.fsum(r.buckets.values()) == pytest.approx(r.wall_s, rel=1e-9, abs=1e-12)
+        assert r.ett_pct + r.idleness_pct + r.failure_pct == pytest.approx(100.0, abs=1e-9)
+        assert r.time_to_recover_total_s == pytest.approx(
+            math.fsum(f.time_to_recover_s for f in r.failures)
+        )
+        assert r.buckets["wasted_training"] <= r.observed_unsaved_s + 1e-9
+        seg_total = math.fsum(b - a for a, b, _ in r.segments)
+        assert seg_total == pytest.approx(r.wall_s, rel=1e-9, abs=1e-12)
+        assert read_events(url) and ledger_url(url).endswith("ledger")
+
+
+def test_rendering(tmp_path) -> None:
+    from infra.ett_report import format_table, plot_breakdown, to_markdown
+
+    _write_job(str(tmp_path / "job"))
+    r = report_for_job(str(tmp_path / "job"))
+    text = format_table(r)
+    assert "effective_training   9.000    25.00" in text
+    assert "critical path" in text and "sigkill" in text
+    md = to_markdown(r)
+    assert md.startswith("# ETT report: **25.0%** effective")
+    assert "| bucket | seconds | % of W |" in md and "| recovery | 7.500 | 20.83 |" in md
+    png = plot_breakdown(r, tmp_path / "out" / "ett.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_first_attempt_dies_during_init(tmp_path) -> None:
+    """a0: scheduling [0,2], pre_train [2,5], dies (failure mark @7); a1: scheduling [8,9],
+    steps 1-2 [10,14], shutdown [14,15]. startup [0,5]; recovery [5,10]; TTS = 10 (first step
+    of the job, since attempt 0 never stepped)."""
+    url = str(tmp_path / "job")
+    with Ledger(url, attempt=0, role="orchestrator", clock=lambda: T0) as o:
+        o.record_span("scheduling", T0, T0 + 2)
+        o.mark("failure", t=T0 + 7, cause="crash")
+    with Ledger(url, attempt=0, clock=lambda: T0) as tr:
+        tr.record_span("pre_train", T0 + 2, T0 + 5)
+    with Ledger(url, attempt=1, clock=lambda: T0) as tr:
+        tr.record_span("scheduling", T0 + 8, T0 + 9)
+        tr.record_span("train_step", T0 + 10, T0 + 12, step=1)
+        tr.record_span("train_step", T0 + 12, T0 + 14, step=2)
+        tr.record_span("shutdown", T0 + 14, T0 + 15)
+        tr.mark("job_end", t=T0 + 15)
+    r = report_for_job(url)
+    assert r.buckets["startup"] == 5 and r.buckets["recovery"] == 5
+    assert r.buckets["effective_training"] == 4 and r.buckets["shutdown"] == 1
+    assert r.time_to_start_s == 10 and r.num_failures == 1
+    (f,) = r.failures
+    assert (f.cause, f.last_step, f.died_at) == ("crash", None, 5)
+    assert (f.detected_at, f.resumed_at, f.time_to_recover_s) == (7, 10, 5)
+    assert r.init[0].wall_s is None and r.init[0].critical_path == ("scheduling", "pre_train")
