@@ -1,0 +1,81 @@
+"""Commit protocol pieces: manifests, verification, retention (no training needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from infra import storage
+from trainer.checkpoint.manifest import (
+    MANIFEST,
+    CheckpointError,
+    FileEntry,
+    Manifest,
+    checkpoints_url,
+    committed_checkpoints,
+    sha256_url,
+    step_dir_name,
+    verify_files,
+)
+from trainer.checkpoint.retention import purge_old, purge_uncommitted
+
+
+def _fake_checkpoint(job_url: str, step: int, commit: bool = True, anchor: bool = False) -> str:
+    url = storage.join(checkpoints_url(job_url), step_dir_name(step))
+    data = f"weights-{step}".encode()
+    storage.write_bytes(storage.join(url, "__0_0.distcp"), data)
+    if commit:
+        entry = FileEntry(len(data), sha256_url(storage.join(url, "__0_0.distcp")))
+        files = {"__0_0.distcp": entry}
+        manifest = Manifest(step=step, world_size=1, config_hash="h", files=files, anchor=anchor)
+        storage.write_text(storage.join(url, MANIFEST), manifest.to_json())
+    return url
+
+
+@pytest.fixture(params=["file", "memory"])
+def job_url(request, tmp_path) -> str:
+    if request.param == "file":
+        return f"file://{tmp_path}/job"
+    return f"memory://ckpt-tests/{tmp_path.name}/job"
+
+
+def test_only_manifested_folders_are_committed(job_url: str) -> None:
+    _fake_checkpoint(job_url, 10)
+    _fake_checkpoint(job_url, 20)
+    _fake_checkpoint(job_url, 30, commit=False)  # crashed before its manifest
+    assert [c.step for c in committed_checkpoints(job_url)] == [20, 10]
+
+
+def test_verify_detects_corruption_and_missing_files(job_url: str) -> None:
+    url = _fake_checkpoint(job_url, 10)
+    ckpt = committed_checkpoints(job_url)[0]
+    verify_files(url, ckpt.manifest)  # intact: no error
+    storage.write_bytes(storage.join(url, "__0_0.distcp"), b"weights-1X")  # same size, new bytes
+    with pytest.raises(CheckpointError, match="checksum mismatch in __0_0.distcp"):
+        verify_files(url, ckpt.manifest)
+    storage.write_bytes(storage.join(url, "__0_0.distcp"), b"short")
+    with pytest.raises(CheckpointError, match="has 5 bytes"):
+        verify_files(url, ckpt.manifest)
+    storage.remove(storage.join(url, "__0_0.distcp"))
+    with pytest.raises(CheckpointError, match="missing file"):
+        verify_files(url, ckpt.manifest)
+
+
+def test_unreadable_manifest_is_skipped_not_fatal(job_url: str) -> None:
+    _fake_checkpoint(job_url, 10)
+    bad = _fake_checkpoint(job_url, 20)
+    storage.write_text(storage.join(bad, MANIFEST), '{"step": 20, "files": ')
+    assert [c.step for c in committed_checkpoints(job_url)] == [10]
+
+
+def test_retention_keeps_latest_k_anchor_and_inflight(job_url: str) -> None:
+    _fake_checkpoint(job_url, 5, anchor=True)
+    for step in (10, 20, 30, 40):
+        _fake_checkpoint(job_url, step)
+    _fake_checkpoint(job_url, 15, commit=False)  # stale debris: older than the newest commit
+    _fake_checkpoint(job_url, 50, commit=False)  # newer than the newest commit: in flight
+    purge_old(job_url, keep_latest_k=2)
+    assert [c.step for c in committed_checkpoints(job_url)] == [40, 30, 5]
+    names = storage.listdir(checkpoints_url(job_url))
+    assert step_dir_name(50) in names and step_dir_name(15) not in names
+    purge_uncommitted(job_url)  # at the start of an attempt nothing is in flight
+    assert step_dir_name(50) not in storage.listdir(checkpoints_url(job_url))

@@ -1,0 +1,278 @@
+"""Save and restore training state with DCP so the loop blocks as little as possible.
+
+Modes (``checkpoint.mode``):
+  sync          dcp.save: the loop waits for the whole write (the baseline).
+  async         dcp.async_save with synchronous staging: waits for the copy, not the write.
+  async_staged  dcp.async_save with PyTorch's DefaultStager: the copy to CPU memory runs in
+                the background too (pinned + shared memory and non-blocking copies on GPU);
+                the loop waits for it only before the next step changes the weights.
+
+Every checkpoint is written by DCP into a local folder (the final folder on local storage,
+a spool folder for object stores), then, off the training thread, uploaded file by file
+(parallel multipart for large files), each rank records its files' sizes and checksums in
+a small done-marker, and rank 0 writes the manifest last once every rank is done. At most
+one checkpoint is in flight: a new save first waits for the previous one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import StagingOptions
+
+from infra import storage
+from infra.ledger import Ledger
+from infra.settings import JobConfig, dump_config
+from trainer.checkpoint.manifest import (
+    MANIFEST,
+    CheckpointError,
+    FileEntry,
+    Manifest,
+    checkpoints_url,
+    sha256_file,
+    step_dir_name,
+)
+from trainer.checkpoint.retention import purge_old
+from trainer.checkpoint.staging import ShardedStateStager
+
+log = logging.getLogger(__name__)
+
+COMMIT_TIMEOUT_S = 600.0
+
+
+@dataclass
+class InFlight:
+    step: int
+    anchor: bool
+    staged: Future[Any] | None  # None once staging is known complete
+    thread: threading.Thread
+    error: list[BaseException]
+
+
+class Checkpointer:
+    """One per rank. ``save`` never raises for storage trouble: a failed checkpoint is
+    logged, marked in the ledger, and the previous committed one stays the latest."""
+
+    def __init__(
+        self,
+        config: JobConfig,
+        rank: int,
+        world_size: int,
+        ledger: Ledger,
+        process_group: dist.ProcessGroup | None = None,
+        on_phase: Callable[[str, int], None] = lambda phase, step: None,
+    ) -> None:
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        self.ledger = ledger
+        self.pg = process_group
+        self.on_phase = on_phase
+        self.root = checkpoints_url(config.job_url)
+        self.remote = storage.local_path(self.root) is None
+        self.spool = tempfile.mkdtemp(prefix=f"ett-ckpt-{config.job_id}-r{rank}-")
+        self._stager: ShardedStateStager | None = None
+        self._inflight: InFlight | None = None
+
+    # -- saving -----------------------------------------------------------------------------
+    def _make_stager(self) -> ShardedStateStager:
+        """PyTorch's native staging; pinned/shared memory and non-blocking copies need an
+        accelerator (DESIGN.md: on CPU the default options raise). Staging buffers are
+        cached by the stager and reused by every later checkpoint."""
+        on_gpu = torch.cuda.is_available()
+        options = StagingOptions(
+            use_pinned_memory=on_gpu,
+            use_shared_memory=on_gpu,
+            use_async_staging=self.config.checkpoint.mode == "async_staged",
+            use_non_blocking_copy=on_gpu,
+        )
+        return ShardedStateStager(options)
+
+    def _local_dir(self, step: int) -> str:
+        if self.remote:
+            path = os.path.join(self.spool, step_dir_name(step))
+        else:
+            path = storage.local_path(storage.join(self.root, step_dir_name(step))) or ""
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        extra: dict[str, Any],
+        anchor: bool = False,
+        blocking: bool = False,
+    ) -> None:
+        """Checkpoint ``state`` (tensors) and ``extra`` (this rank's JSON state) at ``step``.
+
+        Blocks only for what the mode must: the previous checkpoint if still in flight, and
+        the staging copy (sync mode: the whole write). ``anchor`` and ``blocking`` force a
+        synchronous save that has committed when this returns.
+        """
+        mode = "sync" if anchor or blocking else self.config.checkpoint.mode
+        with self.ledger.span("checkpoint_blocking", step=step, mode=mode) as attrs:
+            waited = self.wait_for_inflight()
+            attrs["waited_for_previous_s"] = round(waited, 6)
+            local_dir = self._local_dir(step)
+            with open(
+                os.path.join(local_dir, f"trainer_state.rank{self.rank:03d}.json"), "w"
+            ) as fh:
+                json.dump({"step": step, **extra}, fh)
+            if self.rank == 0:
+                dump_config(self.config, os.path.join(local_dir, "config.yaml"))
+            writer = dcp.FileSystemWriter(local_dir, thread_count=2)
+            staged: Future[Any] | None = None
+            upload: Future[Any] | None = None
+            if mode == "sync":
+                dcp.save(state, storage_writer=writer, process_group=self.pg)
+            else:
+                if self._stager is None:
+                    self._stager = self._make_stager()
+                result = dcp.async_save(
+                    state, storage_writer=writer, process_group=self.pg, async_stager=self._stager
+                )
+                if isinstance(result, Future):  # "async": staged before async_save returned
+                    upload = result
+                else:  # "async_staged": the copy runs in the background
+                    staged, upload = result.staging_completion, result.upload_completion
+            self.on_phase("staged", step)
+            error: list[BaseException] = []
+            thread = threading.Thread(
+                target=self._finish,
+                args=(step, local_dir, upload, anchor, error),
+                name=f"ckpt-commit-{step}",
+                daemon=True,
+            )
+            thread.start()
+            self._inflight = InFlight(step, anchor, staged, thread, error)
+            if mode == "sync":
+                self.wait_for_inflight()
+
+    def wait_until_staged(self) -> None:
+        """Before the weights change again (next step), the staging copy must be complete."""
+        inflight = self._inflight
+        if inflight is None or inflight.staged is None:
+            return
+        with self.ledger.span("checkpoint_blocking", step=inflight.step, phase="staging"):
+            inflight.staged.result()
+        inflight.staged = None
+
+    def wait_for_inflight(self, timeout_s: float | None = None) -> float:
+        """Wait for the in-flight checkpoint to commit (or fail); returns seconds waited."""
+        inflight = self._inflight
+        if inflight is None:
+            return 0.0
+        start = time.perf_counter()
+        if inflight.staged is not None:
+            inflight.staged.result()
+        inflight.thread.join(timeout_s)
+        if inflight.thread.is_alive():
+            raise TimeoutError(f"checkpoint at step {inflight.step} still uploading")
+        self._inflight = None
+        return time.perf_counter() - start
+
+    def _finish(
+        self,
+        step: int,
+        local_dir: str,
+        upload: Future[Any] | None,
+        anchor: bool,
+        error: list[BaseException],
+    ) -> None:
+        """Background: finish the DCP write, upload, mark this rank done, commit (rank 0)."""
+        url = storage.join(self.root, step_dir_name(step))
+        try:
+            if upload is not None:
+                upload.result()
+            self.on_phase("written", step)
+            files = self._my_files(local_dir)
+            entries = {name: FileEntry(os.path.getsize(p), sha256_file(p)) for name, p in files}
+            if self.remote:
+                for name, path in files:
+                    storage.put_file(path, storage.join(url, name))
+            self.on_phase("uploaded", step)
+            done = {name: vars(entry) for name, entry in entries.items()}
+            storage.write_text(
+                storage.join(url, f"_done.rank{self.rank:03d}.json"), json.dumps(done)
+            )
+            if self.rank == 0:
+                self._commit(step, url, anchor)
+        except BaseException as exc:  # noqa: BLE001 - reported, never kills training
+            error.append(exc)
+            log.error("checkpoint at step %d failed, previous one stays the latest: %s", step, exc)
+            self.ledger.mark("checkpoint_failed", step=step, error=str(exc)[:500])
+            # Tell rank 0 not to wait for this rank (may fail too, in an outage).
+            with contextlib.suppress(OSError):
+                storage.write_text(storage.join(url, f"_failed.rank{self.rank:03d}.json"), "{}")
+        finally:
+            if self.remote:
+                shutil.rmtree(local_dir, ignore_errors=True)
+
+    def _my_files(self, local_dir: str) -> list[tuple[str, str]]:
+        """The files this rank wrote: its DCP shard files and JSON state; rank 0 adds the
+        DCP metadata and the config."""
+        mine = []
+        for name in sorted(os.listdir(local_dir)):
+            owned = name.startswith(f"__{self.rank}_") or name.endswith(
+                f".rank{self.rank:03d}.json"
+            )
+            if self.rank == 0 and name in (".metadata", "config.yaml"):
+                owned = True
+            if owned and not name.startswith("_done"):
+                mine.append((name, os.path.join(local_dir, name)))
+        return mine
+
+    def _commit(self, step: int, url: str, anchor: bool) -> None:
+        """Rank 0: once every rank's done-marker is there, write the manifest (last)."""
+        deadline = time.monotonic() + COMMIT_TIMEOUT_S
+        markers = [storage.join(url, f"_done.rank{r:03d}.json") for r in range(self.world_size)]
+        while not all(storage.exists(m) for m in markers):
+            if storage.glob(storage.join(url, "_failed.rank*.json")):
+                raise CheckpointError(f"checkpoint {url}: another rank failed to write it")
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"checkpoint {url}: not every rank finished its upload")
+            time.sleep(0.05)
+        files: dict[str, FileEntry] = {}
+        for marker in markers:
+            files.update(
+                {n: FileEntry(**e) for n, e in json.loads(storage.read_text(marker)).items()}
+            )
+        manifest = Manifest(
+            step=step,
+            world_size=self.world_size,
+            config_hash=self.config.model_hash(),
+            files=files,
+            anchor=anchor,
+            job_id=self.config.job_id,
+        )
+        self.on_phase("before_manifest", step)
+        storage.write_text(storage.join(url, MANIFEST), manifest.to_json())
+        size = sum(e.size for e in files.values())
+        self.ledger.mark("checkpoint_committed", step=step, url=url, bytes=size, anchor=anchor)
+        if anchor:
+            self.ledger.mark("anchor_committed", step=step, url=url)
+        purge_old(self.config.job_url, self.config.checkpoint.keep_latest_k)
+
+    def close(self) -> None:
+        """Wait for the in-flight checkpoint and release the stager's resources."""
+        try:
+            self.wait_for_inflight()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+            shutil.rmtree(self.spool, ignore_errors=True)

@@ -1,0 +1,74 @@
+"""Injected failures (crash, SIGKILL, SIGTERM, hang) at a chosen step of a chosen attempt.
+
+Used by the demo, the tests and the benchmarks to exercise recovery for real: the process
+really dies, really gets preempted or really stops making progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import time
+
+from infra.settings import FaultConfig
+
+log = logging.getLogger(__name__)
+
+
+class InjectedCrash(RuntimeError):
+    """Raised by a ``crash`` fault: an ordinary Python exception that kills the attempt."""
+
+
+def random_schedule(
+    seed: int, steps: int, count: int, kinds: tuple[str, ...] = ("crash", "sigkill", "sigterm")
+) -> tuple[FaultConfig, ...]:
+    """``count`` faults at random steps, one per attempt in order, reproducible from ``seed``."""
+    rng = random.Random(seed)
+    at = sorted(rng.sample(range(1, steps), count))
+    return tuple(
+        FaultConfig(kind=rng.choice(kinds), step=step, attempt=attempt)  # type: ignore[arg-type]
+        for attempt, step in enumerate(at)
+    )
+
+
+# Faults that fire inside the checkpoint of their step, at the named phase.
+CHECKPOINT_PHASES = {"sigkill_mid_upload": "written", "sigkill_before_manifest": "before_manifest"}
+
+
+class FaultInjector:
+    """Fires the faults of this attempt when the loop reaches their step."""
+
+    def __init__(self, faults: tuple[FaultConfig, ...], attempt: int, rank: int) -> None:
+        self.rank = rank
+        self.pending = {f.step: f for f in faults if f.attempt == attempt}
+
+    def at_step(self, step: int) -> None:
+        """Called at the start of each step."""
+        fault = self.pending.get(step)
+        if fault is None or fault.kind in CHECKPOINT_PHASES:
+            return
+        del self.pending[step]
+        # A preemption or a crash hits every rank; a lost node (SIGKILL) or a hang hits one.
+        if fault.kind in ("sigkill", "hang") and self.rank != 0:
+            return
+        log.warning("injecting fault %s at step %d", fault.kind, step)
+        if fault.kind == "crash":
+            raise InjectedCrash(f"injected crash at step {step}")
+        if fault.kind == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault.kind == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+        if fault.kind == "hang":
+            while True:
+                time.sleep(3600)
+
+    def at_checkpoint_phase(self, phase: str, step: int) -> None:
+        """Called by the checkpointer (possibly from its upload thread)."""
+        fault = self.pending.get(step)
+        if fault is None or CHECKPOINT_PHASES.get(fault.kind) != phase or self.rank != 0:
+            return
+        del self.pending[step]
+        log.warning("injecting fault %s at step %d (checkpoint phase %s)", fault.kind, step, phase)
+        os.kill(os.getpid(), signal.SIGKILL)
