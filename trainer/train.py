@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,6 @@ from infra.settings import ConfigError, JobConfig, load_config
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.state import app_state
 from trainer.data.batch import Batch
-from trainer.data.loader import TrainLoader
 from trainer.distributed import DistEnv
 from trainer.evaluation import evaluate
 from trainer.init_stages import initialize
@@ -135,13 +135,18 @@ def _train(config: JobConfig, ledger: Ledger, preemption: Preemption) -> int:
     checkpointer, holdout, faults = parts.checkpointer, parts.holdout, parts.faults
     batches, pending = parts.batches, parts.first_batch
     start_step = parts.start_step
+
+    def snapshot() -> tuple[dict[str, Any], dict[str, Any]]:
+        """What a checkpoint holds: tensors for DCP, and this rank's data position."""
+        return app_state(model, optimizer, env.rank), {"loader": loader.state_dict()}
+
     stats = LoopStats()
     step = start_step
     last_save = time.time()
     try:
         while step < config.train.steps:
             if preemption.agreed(env):
-                _save_on_preemption(config, checkpointer, step, model, optimizer, loader, env)
+                _save_on_preemption(config, checkpointer, step, snapshot)
                 return exit_codes.PREEMPTED
             checkpointer.wait_until_staged()
             step += 1
@@ -167,16 +172,14 @@ def _train(config: JobConfig, ledger: Ledger, preemption: Preemption) -> int:
                 if env.is_main:
                     log.info("step %d holdout %s", step, _fmt(stats.last_eval))
             if should_checkpoint(config, step, last_save, time.time()):
-                state = app_state(model, optimizer, env.rank)
-                checkpointer.save(step, state, {"loader": loader.state_dict()})
+                checkpointer.save(step, snapshot)
                 last_save = time.time()
 
         with ledger.span("shutdown", step=step):
             if not stats.last_eval or config.train.steps % max(config.train.eval_every, 1):
                 stats.last_eval = evaluate(model, holdout, env.device)
             if config.checkpoint.mode != "off" and step > start_step:  # else: anchored already
-                state = app_state(model, optimizer, env.rank)
-                checkpointer.save(step, state, {"loader": loader.state_dict()}, anchor=True)
+                checkpointer.save(step, snapshot, anchor=True)
             checkpointer.close()
             if env.is_main:
                 log.info("final holdout %s (loader %s)", _fmt(stats.last_eval), loader.stats)
@@ -196,10 +199,7 @@ def _save_on_preemption(
     config: JobConfig,
     checkpointer: Checkpointer,
     step: int,
-    model: torch.nn.Module,
-    optimizer: Any,
-    loader: TrainLoader,
-    env: DistEnv,
+    snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
 ) -> None:
     """Preempted: finish the in-flight upload if the budget allows, then save synchronously."""
     budget = config.checkpoint.preemption_budget_s
@@ -209,9 +209,8 @@ def _save_on_preemption(
     try:
         checkpointer.wait_for_inflight(timeout_s=budget / 2)
     except TimeoutError:
-        log.warning("abandoning the in-flight checkpoint upload")
-    state = app_state(model, optimizer, env.rank)
-    checkpointer.save(step, state, {"loader": loader.state_dict()}, anchor=False, blocking=True)
+        checkpointer.abandon_inflight()
+    checkpointer.save(step, snapshot, blocking=True)
 
 
 def _fmt(metrics: dict[str, float]) -> str:

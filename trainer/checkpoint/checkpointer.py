@@ -112,12 +112,13 @@ class Checkpointer:
     def save(
         self,
         step: int,
-        state: dict[str, Any],
-        extra: dict[str, Any],
+        snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
         anchor: bool = False,
         blocking: bool = False,
     ) -> None:
-        """Checkpoint ``state`` (tensors) and ``extra`` (this rank's JSON state) at ``step``.
+        """Checkpoint at ``step`` what ``snapshot()`` returns: the tensor state for DCP and
+        this rank's JSON state (step, data position). Called inside the blocking span, so
+        building the state dicts is accounted as checkpoint time.
 
         Blocks only for what the mode must: the previous checkpoint if still in flight, and
         the staging copy (sync mode: the whole write). ``anchor`` and ``blocking`` force a
@@ -127,6 +128,7 @@ class Checkpointer:
         with self.ledger.span("checkpoint_blocking", step=step, mode=mode) as attrs:
             waited = self.wait_for_inflight()
             attrs["waited_for_previous_s"] = round(waited, 6)
+            state, extra = snapshot()
             local_dir = self._local_dir(step)
             with open(
                 os.path.join(local_dir, f"trainer_state.rank{self.rank:03d}.json"), "w"
@@ -184,6 +186,13 @@ class Checkpointer:
             raise TimeoutError(f"checkpoint at step {inflight.step} still uploading")
         self._inflight = None
         return time.perf_counter() - start
+
+    def abandon_inflight(self) -> None:
+        """Stop waiting for the in-flight checkpoint (its thread may still commit it later;
+        a newer checkpoint supersedes it either way)."""
+        if self._inflight is not None:
+            log.warning("abandoning the in-flight checkpoint of step %d", self._inflight.step)
+        self._inflight = None
 
     def _finish(
         self,
