@@ -1,0 +1,48 @@
+"""`make bench`: run every benchmark one after another (never in parallel: they time the
+machine) and collect their markdown tables into benchmarks/results/summary.md."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+BENCHMARKS = [
+    "bench_throughput.py",
+    "bench_ledger.py",
+    "bench_checkpoint.py",
+    "bench_startup.py",
+    "bench_attention.py",
+    "bench_publish.py",
+]
+
+
+def main() -> int:
+    results = HERE / "results"
+    results.mkdir(exist_ok=True)
+    sections, failed = [], []
+    for name in BENCHMARKS:
+        script = HERE / name
+        if not script.exists():
+            continue
+        print(f"== {name}", flush=True)
+        start = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True
+        )
+        print(proc.stdout[-4000:], proc.stderr[-2000:] if proc.returncode else "", flush=True)
+        elapsed = time.perf_counter() - start
+        if proc.returncode:
+            failed.append(name)
+        tables = "\n".join(line for line in proc.stdout.splitlines() if line.startswith("|"))
+        sections.append(f"## {name} ({elapsed:.0f} s, exit {proc.returncode})\n\n{tables}\n")
+    (results / "summary.md").write_text("# Benchmark results\n\n" + "\n".join(sections))
+    print(f"wrote {results / 'summary.md'}; failed: {failed or 'none'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
