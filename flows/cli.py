@@ -67,6 +67,26 @@ def cmd_advise(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fleet(args: argparse.Namespace) -> int:
+    from infra.fleet import fleet_summary, format_fleet
+
+    config = _config(args)
+    summary = fleet_summary(
+        args.tracking_uri or config.tracking.mlflow_uri,
+        args.experiment or config.tracking.experiment,
+        args.out,
+    )
+    print(format_fleet(summary))
+    print(f"plots and tables in {args.out}")
+    return 1 if summary.regressions and args.fail_on_regression else 0
+
+
+def cmd_stack(args: argparse.Namespace) -> int:
+    from infra.stack import main as stack_main
+
+    return stack_main(args.stack_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ett", description="Effective Training Time pipeline")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--failures-per-day", type=float, required=True)
     p.add_argument("--step-time-s", type=float, help="to express the interval in steps")
     p.add_argument("--upload-s", type=float, help="async upload time (interval must exceed it)")
+    p = add("fleet", cmd_fleet, "ETT trend and regressions over all jobs of an experiment")
+    p.add_argument("--experiment", help="MLflow experiment (default: tracking.experiment)")
+    p.add_argument("--tracking-uri", help="MLflow URI (default: tracking.mlflow_uri)")
+    p.add_argument("--out", default="runs/fleet", help="folder for the PNG plots and tables")
+    p.add_argument("--fail-on-regression", action="store_true", help="exit 1 on a regression")
+    p = add("stack", cmd_stack, "local Prefect + MLflow + S3 servers: up|down|status|env", False)
+    p.add_argument("stack_args", nargs=argparse.REMAINDER, help="e.g. up, down, status, env")
     return parser
 
 
