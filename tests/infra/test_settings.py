@@ -69,3 +69,16 @@ def test_dump_round_trips_without_credentials(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("ETT_STORAGE__S3_ACCESS_KEY_ID")
     again = load_config(path)
     assert again.train.steps == 11 and again.model_hash() == config.model_hash()
+
+
+def test_documented_example_config_loads_and_matches_defaults() -> None:
+    """configs/example.yaml documents every section; it must stay valid and in step with
+    the embedded defaults (apart from its own job_id)."""
+    from pathlib import Path
+
+    example = load_config(Path(__file__).resolve().parents[2] / "configs" / "example.yaml")
+    defaults = load_config()
+    assert example.job_id == "example"
+    assert example.model_hash() == defaults.model_hash()
+    assert example.train == defaults.train
+    assert example.checkpoint == defaults.checkpoint
