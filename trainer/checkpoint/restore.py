@@ -12,6 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from infra import storage
 from infra.settings import JobConfig
@@ -79,7 +80,8 @@ def load_into(
             return json.load(fh)
     except CheckpointError:
         raise
-    except (OSError, RuntimeError, ValueError, KeyError) as exc:
+    except (OSError, RuntimeError, ValueError, KeyError, CheckpointException) as exc:
+        # DCP reports read failures as CheckpointException, a BaseException subclass.
         raise CheckpointError(f"checkpoint {ckpt.url} could not be loaded: {exc}") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,60 @@
+"""The ``publish`` flow: anchor checkpoint -> validated, registered model, on a CPU worker.
+
+Triggered by the ``ett.checkpoint.anchor.committed`` event (prefect.yaml passes the payload
+``{uri, step, job_id, mlflow_run_id}``), or run by hand. Orchestration only: every stage is
+a task in tasks/publish.py over publish/ (no torch code here). The training job never waits
+for this flow: it ended when its anchor was committed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from tasks import publish as stages
+
+
+def _blank(value: Any) -> Any:
+    """Event templating renders a missing payload field as "" or "None"."""
+    return None if value in ("", "None", "null") else value
+
+
+@flow(name="publish", log_prints=True)
+def publish_flow(
+    uri: str,
+    step: int | None = None,
+    job_id: str | None = None,
+    mlflow_run_id: str | None = None,
+    settings: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Publish the anchor checkpoint at ``uri``; returns the registered version's summary.
+
+    ``settings`` overrides publish.settings.PublishSettings (calibration_ratio,
+    champion_margin, holdout_rows, tracking_uri, ...). Publishing an anchor twice returns
+    the version registered the first time.
+    """
+    logger = get_run_logger()
+    pub = stages.prepare(uri, _blank(step), _blank(job_id), _blank(mlflow_run_id), settings)
+    try:
+        if pub.result is None:
+            stages.load(pub)
+            stages.export(pub)
+            stages.validate(pub)
+            stages.register(pub)
+        result = pub.result
+        assert result is not None
+    finally:
+        pub.close()
+    verb = "was already published as" if result.already_published else "published as"
+    logger.info(
+        "%s %s %s version %s (aliases: %s)",
+        uri, verb, result.registered_model, result.version, ", ".join(result.aliases) or "none",
+    )
+    return result.to_dict()
+
+
+if __name__ == "__main__":
+    import sys
+
+    publish_flow(uri=sys.argv[1])

@@ -1,0 +1,316 @@
+"""The publish pipeline: load -> export -> validate -> register, each a ledger span.
+
+    pub = Publication.start(uri, step=..., job_id=..., mlflow_run_id=...)
+    if pub.result is None:           # not published yet
+        pub.load(); pub.export(); pub.validate(); pub.register()
+    pub.close()
+
+``publish()`` runs exactly that; the Prefect flow (flows/publish_flow.py) runs each stage as
+a task. Spans go to the job's ledger in files of their own (role "publish", one attempt
+number per publish run; infra/ett.py leaves them out of the job's wall time), so the ETT
+report shows the work that moved off the training job. A failed stage records its span with
+the error, ends the publish run FAILED and raises PublishError; nothing is registered
+before every validation passed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mlflow import MlflowClient
+
+from infra import storage
+from infra.ledger import Ledger, ledger_url
+from infra.settings import JobConfig
+from publish import export as export_mod
+from publish import registry, validate
+from publish.load import AnchorRef, LoadedAnchor, check_expected, load, read_config, resolve
+from publish.settings import PublishError, PublishSettings, make_settings
+
+log = logging.getLogger(__name__)
+
+ROLE = "publish"
+
+
+@dataclass
+class PublishResult:
+    registered_model: str
+    version: str
+    anchor_uri: str
+    step: int
+    job_id: str
+    anchor_key: str
+    already_published: bool
+    promoted: bool
+    aliases: list[str]
+    model_uri: str  # models:/NAME/VERSION
+    publish_run_id: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    champion_auc: float | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Publication:
+    """One publish of one checkpoint; stages run in order, each at most once."""
+
+    def __init__(
+        self,
+        ref: AnchorRef,
+        config: JobConfig,
+        job_id: str | None,
+        mlflow_run_id: str | None,
+        settings: PublishSettings,
+    ) -> None:
+        self.ref = ref
+        self.config = config
+        self.job_id = job_id or ref.manifest.job_id or config.job_id
+        self.training_run_id = mlflow_run_id or None
+        self.settings = settings
+        self.workdir = tempfile.mkdtemp(prefix="ett-publish-")
+        self.client: MlflowClient | None = None
+        self.loaded: LoadedAnchor | None = None
+        self.holdout: validate.Holdout | None = None
+        self.exported: export_mod.Exported | None = None
+        self.validation: validate.Validation | None = None
+        self.result: PublishResult | None = None
+        self.seconds: dict[str, float] = {}
+        self.job_url = ref.job_url or config.job_url
+        self.ledger: Ledger | None = None  # opened by the first stage that runs
+
+    # -- set-up ---------------------------------------------------------------------------
+    @classmethod
+    def start(
+        cls,
+        uri: str,
+        step: int | None = None,
+        job_id: str | None = None,
+        mlflow_run_id: str | None = None,
+        settings: PublishSettings | dict[str, Any] | None = None,
+    ) -> Publication:
+        """Read the manifest and the (checksum-verified) job config, check the caller's
+        expectations and look the anchor up in the registry, all before any weights are
+        downloaded: when it is published already, ``result`` is set and no stage runs."""
+        if not isinstance(settings, PublishSettings):
+            settings = make_settings(settings)
+        ref = resolve(uri)
+        check_expected(ref, step, job_id, settings.require_anchor)
+        config = read_config(ref)
+        storage.configure(config.storage)
+        pub = cls(ref, config, job_id, mlflow_run_id, settings)
+        try:
+            client = pub._connect(settings.tracking_uri or config.tracking.mlflow_uri)
+            export_mod.check_training_run(client, pub.training_run_id)
+            pub._find_published(pub.registered_model)
+        except BaseException:
+            pub.close()
+            raise
+        return pub
+
+    def _open_ledger(self) -> Ledger:
+        """The publisher's own ledger file in the job's ledger folder. Each publish run gets
+        the next free attempt number: on object storage a ledger file is re-uploaded whole,
+        so reusing attempt 0 would erase an earlier publish run's spans."""
+        if self.ledger is None:
+            pattern = storage.join(ledger_url(self.job_url), f"{ROLE}-attempt*-rank000.jsonl")
+            attempt = len(storage.glob(pattern))
+            self.ledger = Ledger(self.job_url, attempt=attempt, rank=0, role=ROLE)
+        return self.ledger
+
+    def _connect(self, tracking_uri: str) -> MlflowClient:
+        if self.client is None:
+            self.client = export_mod.connect(tracking_uri)
+        return self.client
+
+    def _find_published(self, name: str) -> bool:
+        assert self.client is not None
+        found = registry.published_version(self.client, name, self.ref.key)
+        if found is not None:
+            log.info("%s is already published as %s version %s", self.ref.uri, name, found.version)
+            self.result = self._result_from(found, name, already=True)
+        return self.result is not None
+
+    @property
+    def registered_model(self) -> str:
+        return self.settings.registered_model or self.config.tracking.registered_model
+
+    @contextlib.contextmanager
+    def _stage(self, name: str) -> Iterator[dict[str, Any]]:
+        attrs: dict[str, Any] = {"uri": self.ref.uri, "anchor_step": self.ref.step}
+        start = time.time()
+        try:
+            yield attrs
+            attrs["ok"] = True
+        except BaseException as exc:
+            attrs.update(ok=False, error=str(exc)[:500])
+            self._fail(str(exc))
+            raise
+        finally:
+            end = time.time()
+            self.seconds[name] = round(end - start, 4)
+            self._open_ledger().record_span(name, start, end, step=self.ref.step, **attrs)
+
+    def _fail(self, reason: str) -> None:
+        if self.client is not None and self.exported is not None:
+            with contextlib.suppress(Exception):
+                run_id = self.exported.publish_run_id
+                self.client.set_tag(run_id, "ett.publish_error", reason[:5000])
+                self.client.set_terminated(run_id, "FAILED")
+
+    # -- stages ---------------------------------------------------------------------------
+    def load(self) -> None:
+        """publish_load: verify + load the checkpoint, read the holdout rows."""
+        with self._stage("publish_load") as attrs:
+            self.loaded = load(self.ref, self.config, self.workdir)
+            self.holdout = validate.load_holdout(self.config, self.settings)
+            attrs.update(world_size=self.ref.manifest.world_size, rows=self.holdout.rows)
+
+    def export(self) -> None:
+        """publish_export: log the pyfunc model to MLflow in a publish run."""
+        assert self.loaded is not None and self.holdout is not None and self.client is not None
+        with self._stage("publish_export") as attrs:
+            run_id, _ = export_mod.open_publish_run(
+                self.client, self.loaded.config, self.ref, self.training_run_id
+            )
+            self.exported = export_mod.export(
+                self.loaded, self.holdout.frame, run_id, f"{self.workdir}/export"
+            )
+            attrs.update(model_uri=self.exported.model_uri, publish_run_id=run_id)
+
+    def validate(self) -> None:
+        """publish_validate: parity with the trainer's eval, sanity checks, AUC/log-loss."""
+        assert self.loaded and self.holdout and self.exported and self.client
+        with self._stage("publish_validate") as attrs:
+            v = validate.evaluate(self.loaded.model, self.holdout, self.exported.model_uri)
+            self.validation = v
+            attrs.update(v.metrics())
+            self.client.log_batch(
+                self.exported.publish_run_id,
+                metrics=[_metric(k, val) for k, val in v.metrics().items() if _finite(val)],
+            )
+            failed = validate.failures(v, self.settings)
+            if failed:
+                raise PublishError(
+                    f"validation of {self.ref.uri} failed, nothing registered: " + "; ".join(failed)
+                )
+
+    def register(self) -> PublishResult:
+        """publish_register: new version, alias candidate, champion if not worse."""
+        assert self.loaded and self.holdout and self.exported and self.validation and self.client
+        with self._stage("publish_register") as attrs:
+            name = self.registered_model
+            holdout = self.holdout
+            champ = registry.score_champion(
+                self.client,
+                name,
+                lambda uri: validate.auc_of(
+                    validate.pyfunc_predictions(uri, holdout.frame), holdout.labels
+                ),
+            )
+            v = self.validation
+            promote = registry.should_promote(v.auc, champ, self.settings.champion_margin)
+            tags = {
+                "anchor_uri": self.ref.uri,
+                "anchor_step": str(self.ref.step),
+                "anchor_manifest_sha256": self.ref.manifest_sha256,
+                "anchor_world_size": str(self.ref.manifest.world_size),
+                "job_id": self.job_id,
+                "publish_run_id": self.exported.publish_run_id,
+                "holdout_auc": f"{v.auc:.6f}",
+                "holdout_logloss": f"{v.logloss:.6f}",
+                "holdout_rows": str(v.rows),
+                "parity_max_abs_diff": f"{v.parity_max_abs_diff:.3g}",
+            }
+            if self.training_run_id:
+                tags["training_run_id"] = self.training_run_id
+            if champ.version is not None:
+                tags["champion_version_at_publish"] = champ.version
+                tags["champion_auc_at_publish"] = (
+                    f"{champ.auc:.6f}" if champ.auc is not None else "unscorable"
+                )
+            if champ.error:
+                tags["champion_eval_error"] = champ.error
+            version, created = registry.register(
+                self.client,
+                name,
+                self.ref.key,
+                self.exported.model_id,
+                self.training_run_id or self.exported.publish_run_id,
+                tags,
+                promote,
+            )
+            self.client.set_terminated(self.exported.publish_run_id, "FINISHED")
+            self.result = self._result_from(version, name, already=not created)
+            self.result.champion_auc = champ.auc
+            self.result.publish_run_id = self.exported.publish_run_id
+            attrs.update(version=version.version, promoted=self.result.promoted)
+        self.result.seconds = dict(self.seconds)
+        return self.result
+
+    def _result_from(self, version: Any, name: str, already: bool) -> PublishResult:
+        tags = version.tags or {}
+        metrics = {}
+        if self.validation is not None:
+            metrics = self.validation.metrics()
+        elif "holdout_auc" in tags:
+            metrics = {"holdout_auc": float(tags["holdout_auc"])}
+        return PublishResult(
+            registered_model=name,
+            version=str(version.version),
+            anchor_uri=self.ref.uri,
+            step=self.ref.step,
+            job_id=self.job_id,
+            anchor_key=self.ref.key,
+            already_published=already,
+            promoted=tags.get("promoted") == "true",
+            aliases=sorted(version.aliases or []),
+            model_uri=f"models:/{name}/{version.version}",
+            publish_run_id=tags.get("publish_run_id"),
+            metrics=metrics,
+            seconds=dict(self.seconds),
+        )
+
+    def close(self) -> None:
+        if self.ledger is not None:
+            self.ledger.close()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _metric(key: str, value: float) -> Any:
+    from mlflow.entities import Metric
+
+    return Metric(key, float(value), int(time.time() * 1000), 0)
+
+
+def _finite(value: float) -> bool:
+    return value == value and abs(value) != float("inf")
+
+
+def publish(
+    uri: str,
+    step: int | None = None,
+    job_id: str | None = None,
+    mlflow_run_id: str | None = None,
+    settings: PublishSettings | dict[str, Any] | None = None,
+) -> PublishResult:
+    """Publish the checkpoint at ``uri``: one model version per anchor, however often called."""
+    pub = Publication.start(uri, step, job_id, mlflow_run_id, settings)
+    try:
+        if pub.result is None:
+            pub.load()
+            pub.export()
+            pub.validate()
+            pub.register()
+        assert pub.result is not None
+        return pub.result
+    finally:
+        pub.close()

@@ -1,0 +1,175 @@
+"""MLflow Model Registry: one version per anchor, aliases ``candidate`` and ``champion``.
+
+Idempotency: every version carries ``anchor_key`` (anchor URI + manifest checksum). A
+publish first searches for it; a version whose ``publish_status`` is ``complete`` means the
+anchor is published and nothing is done. A version left incomplete (a publisher died between
+creating it and setting its aliases) is completed, not duplicated. Two publishers racing on
+one anchor both create a version, see each other, and the higher version deletes itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+from mlflow import MlflowClient
+from mlflow.entities.model_registry import ModelVersion
+from mlflow.exceptions import MlflowException
+
+from publish.settings import PublishError
+
+log = logging.getLogger(__name__)
+
+CANDIDATE, CHAMPION = "candidate", "champion"
+KEY_TAG, STATUS_TAG, COMPLETE = "anchor_key", "publish_status", "complete"
+
+
+@dataclass(frozen=True)
+class ChampionScore:
+    version: str | None  # None: there is no champion yet
+    auc: float | None
+    error: str | None = None
+
+
+def versions_for_key(client: MlflowClient, name: str, key: str) -> list[ModelVersion]:
+    """Versions of ``name`` published from this anchor, oldest first."""
+    found = client.search_model_versions(f"name = '{name}' AND tags.{KEY_TAG} = '{key}'")
+    return sorted(found, key=lambda v: int(v.version))
+
+
+def published_version(client: MlflowClient, name: str, key: str) -> ModelVersion | None:
+    """The complete version for this anchor, if it was published already."""
+    try:
+        found = versions_for_key(client, name, key)
+    except MlflowException as exc:
+        if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
+    return next((v for v in found if v.tags.get(STATUS_TAG) == COMPLETE), None)
+
+
+def ensure_registered_model(client: MlflowClient, name: str) -> None:
+    try:
+        client.get_registered_model(name)
+        return
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+    try:
+        client.create_registered_model(
+            name, description="Ranking model published from anchor checkpoints (ETT pipeline)."
+        )
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+
+
+def champion(client: MlflowClient, name: str) -> ModelVersion | None:
+    try:
+        return client.get_model_version_by_alias(name, CHAMPION)
+    except MlflowException as exc:
+        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
+
+
+def score_champion(client: MlflowClient, name: str, scorer: Any) -> ChampionScore:
+    """Re-evaluate the current champion with ``scorer(model_uri) -> auc`` (on the holdout
+    rows the new model was validated on); an unscorable champion is reported, not raised."""
+    current = champion(client, name)
+    if current is None:
+        return ChampionScore(None, None)
+    try:
+        auc = float(scorer(f"models:/{name}@{CHAMPION}"))
+    except Exception as exc:  # noqa: BLE001 - another schema, missing artifacts, ...
+        log.warning("could not re-evaluate champion %s v%s: %s", name, current.version, exc)
+        return ChampionScore(current.version, None, f"{type(exc).__name__}: {exc}"[:500])
+    return ChampionScore(current.version, auc)
+
+
+def should_promote(auc: float, champ: ChampionScore, margin: float) -> bool:
+    if champ.version is None:
+        return True
+    if champ.auc is None or not np.isfinite(champ.auc):
+        return False  # cannot show the new model is not worse
+    return auc >= champ.auc - margin
+
+
+def register(
+    client: MlflowClient,
+    name: str,
+    key: str,
+    model_id: str,
+    run_id: str,
+    tags: dict[str, str],
+    promote: bool,
+) -> tuple[ModelVersion, bool]:
+    """Create (or complete) the version for this anchor, set aliases, mark it complete.
+
+    Returns (version, created): ``created`` is False when another publisher got there first.
+    """
+    ensure_registered_model(client, name)
+    existing = versions_for_key(client, name, key)
+    done = next((v for v in existing if v.tags.get(STATUS_TAG) == COMPLETE), None)
+    if done is not None:
+        return done, False
+    stamp = datetime.now(UTC)
+    all_tags = {
+        **tags,
+        KEY_TAG: key,
+        "published_at": stamp.isoformat(timespec="seconds"),
+        "published_at_unix": f"{stamp.timestamp():.3f}",
+        "promoted": str(promote).lower(),
+    }
+    if existing:
+        version = existing[0]
+        log.info("completing %s version %s left by an interrupted publish", name, version.version)
+        for k, v in all_tags.items():
+            client.set_model_version_tag(name, version.version, k, v)
+    else:
+        try:
+            version = client.create_model_version(
+                name, source=f"models:/{model_id}", run_id=run_id, tags=all_tags,
+                model_id=model_id,
+            )
+        except MlflowException as exc:
+            raise PublishError(f"registering {name} failed: {exc.message}") from exc
+        _wait_ready(client, name, version.version)
+        first = versions_for_key(client, name, key)[0]
+        if first.version != version.version:  # lost a race: keep the older version
+            client.delete_model_version(name, version.version)
+            return published_or_wait(client, name, key, first), False
+    client.set_registered_model_alias(name, CANDIDATE, version.version)
+    if promote:
+        client.set_registered_model_alias(name, CHAMPION, version.version)
+    client.set_model_version_tag(name, version.version, STATUS_TAG, COMPLETE)
+    return client.get_model_version(name, version.version), True
+
+
+def published_or_wait(
+    client: MlflowClient, name: str, key: str, version: ModelVersion, timeout_s: float = 60.0
+) -> ModelVersion:
+    """The winner of a race, once it has completed (or as it is, after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        current = client.get_model_version(name, version.version)
+        if current.tags.get(STATUS_TAG) == COMPLETE:
+            return current
+        time.sleep(0.5)
+    return client.get_model_version(name, version.version)
+
+
+def _wait_ready(client: MlflowClient, name: str, version: str, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = client.get_model_version(name, version).status
+        if status == "READY":
+            return
+        if status == "FAILED_REGISTRATION":
+            raise PublishError(f"MLflow failed to register {name} version {version}")
+        time.sleep(0.2)
+    raise PublishError(f"{name} version {version} not READY after {timeout_s:.0f} s")

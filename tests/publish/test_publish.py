@@ -1,0 +1,326 @@
+"""Publishing a real 2-rank anchor checkpoint from one CPU process into a real MLflow server.
+
+Servers: MLflow (SQLite backend, artifacts proxied to moto S3) from tests/servers.py. The
+tests share one registered model and run in file order: the first publish makes the
+champion, later ones are checked against it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from infra import storage
+from infra.ledger import PUBLISH_SPANS, read_events
+from publish import serving
+from publish.load import resolve
+from publish.pipeline import publish
+from publish.settings import PublishError
+from tests.factories import ROOT
+from tests.publish.conftest import TrainedJob
+from trainer.checkpoint.manifest import CommittedCheckpoint, read_manifest
+from trainer.checkpoint.restore import load_into
+from trainer.data.loader import holdout_batches
+from trainer.evaluation import predict
+from trainer.model import RankingModel
+
+pytestmark = pytest.mark.slow
+
+HOLDOUT_ROWS = 1000
+# 20 tiny steps do not calibrate a model tightly; the bound under test is set per test.
+SETTINGS = {"holdout_rows": HOLDOUT_ROWS, "calibration_ratio": 3.0}
+
+
+def _versions(job: TrainedJob) -> list:
+    return MlflowClient(job.tracking_uri).search_model_versions(f"name = '{job.registered_model}'")
+
+
+def _trainer_side_probs(job: TrainedJob, url: str) -> tuple[np.ndarray, list]:
+    """What the trainer's eval predicts for the holdout rows, with the model loaded the
+    trainer's way (restore.load_into, one process) -- independent of publish/."""
+    config = job.config
+    model = RankingModel(config.data, config.model)
+    state = {"model": model.state_dict()}
+    load_into(CommittedCheckpoint(url, read_manifest(url)), state, 0, None, no_dist=True)
+    model.load_state_dict(state["model"])
+    batches = holdout_batches(config.data, 0, 1, HOLDOUT_ROWS, config.data.eval_batch_size)
+    return predict(model, batches, torch.device("cpu")).numpy(), batches
+
+
+@pytest.fixture(scope="module")
+def published(trained_job: TrainedJob) -> dict:
+    """The S3 copy of the 2-rank anchor, published by ``python -m publish`` in a fresh
+    single CPU process (no torchrun, no process group, no GPU)."""
+    job = trained_job
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "publish", "--uri", job.s3_anchor_url, "--step", "20",
+           "--job-id", job.config.job_id, "--mlflow-run-id", job.training_run_id,
+           "--holdout-rows", str(HOLDOUT_ROWS), "--calibration-ratio", "3.0"]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    logging.getLogger(__name__).info("python -m publish: %.1f s", time.perf_counter() - start)
+    return json.loads(proc.stdout)
+
+
+def test_two_rank_anchor_is_published_from_one_cpu_process(
+    trained_job: TrainedJob, published: dict
+) -> None:
+    job = trained_job
+    assert read_manifest(job.s3_anchor_url).world_size == 2
+    assert read_manifest(job.s3_anchor_url).anchor
+    assert published["already_published"] is False
+    assert published["promoted"] is True  # the first version becomes the champion
+    assert set(published["aliases"]) == {"candidate", "champion"}
+    metrics = published["metrics"]
+    assert metrics["holdout_parity_max_abs_diff"] <= 1e-5
+    assert 0.0 < metrics["holdout_auc"] <= 1.0 and metrics["holdout_rows"] == HOLDOUT_ROWS
+
+    client = MlflowClient(job.tracking_uri)
+    version = client.get_model_version(job.registered_model, published["version"])
+    tags = version.tags
+    assert version.run_id == job.training_run_id  # lineage: the training run
+    assert tags["anchor_uri"] == job.s3_anchor_url
+    assert tags["anchor_step"] == "20" and tags["job_id"] == job.config.job_id
+    assert tags["anchor_key"] == resolve(job.s3_anchor_url).key
+    assert tags["training_run_id"] == job.training_run_id
+    assert tags["published_at"] and tags["publish_status"] == "complete"
+    publish_run = client.get_run(published["publish_run_id"])
+    assert publish_run.data.tags["mlflow.parentRunId"] == job.training_run_id
+    assert publish_run.info.status == "FINISHED"
+
+    # The publisher's own spans, in the job's ledger next to the S3 anchor.
+    s3_job_url = job.s3_anchor_url.rsplit("/checkpoints/", 1)[0]
+    spans = [e for e in read_events(s3_job_url) if e.name in PUBLISH_SPANS]
+    assert [e.name for e in spans] == list(PUBLISH_SPANS)
+    assert all(e.attrs["ok"] and e.step == 20 for e in spans)
+    assert storage.exists(f"{s3_job_url}/ledger/publish-attempt000-rank000.jsonl")
+
+
+def test_champion_loads_from_registry_and_matches_trainer_eval(
+    trained_job: TrainedJob, published: dict
+) -> None:
+    job = trained_job
+    mlflow.set_tracking_uri(job.tracking_uri)
+    champion = mlflow.pyfunc.load_model(f"models:/{job.registered_model}@champion")
+    expected, batches = _trainer_side_probs(job, job.anchor_url)
+    frames = [serving.batch_to_frame(b, job.config.data) for b in batches]
+    served = np.concatenate([champion.predict(f)[serving.OUTPUT].to_numpy() for f in frames])
+    assert served.shape == expected.shape == (HOLDOUT_ROWS,)
+    assert np.abs(served - expected).max() <= 1e-5
+    # A plain client request: JSON-style lists for the history column.
+    one = serving.batch_to_frame(batches[0], job.config.data, as_lists=True).head(3)
+    assert np.allclose(champion.predict(one)[serving.OUTPUT].to_numpy(), expected[:3], atol=1e-5)
+
+
+# Run with ``python -S``: site-packages is added by hand, so the project's editable-install
+# hook (a .pth file) is not run and the project's packages are not importable.
+BARE_LOAD = """
+import importlib.util, json, sys
+sys.path.append(sys.argv[3])
+import mlflow, pandas as pd
+assert importlib.util.find_spec("publish") is None, "not a bare process"
+model = mlflow.pyfunc.load_model(sys.argv[1])
+frame = pd.DataFrame(json.loads(sys.argv[2]))
+print(json.dumps(model.predict(frame)["probability"].tolist()))
+"""
+
+
+def test_registered_model_loads_in_a_bare_process(
+    trained_job: TrainedJob, published: dict, tmp_path: Path
+) -> None:
+    """Outside the repository (project neither on the path nor installed) the registered model
+    still loads: it carries its code; weights load with weights_only (no pickled objects)."""
+    job = trained_job
+    expected, batches = _trainer_side_probs(job, job.anchor_url)
+    rows = serving.batch_to_frame(batches[0], job.config.data, as_lists=True).head(5)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(MLFLOW_TRACKING_URI=job.tracking_uri, MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false")
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", BARE_LOAD, f"models:/{job.registered_model}@champion",
+         rows.to_json(orient="columns", double_precision=15), sysconfig.get_paths()["purelib"]],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = np.array(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert np.abs(got - expected[:5]).max() <= 1e-5
+
+
+def test_publishing_twice_yields_one_version(trained_job: TrainedJob, published: dict) -> None:
+    job = trained_job
+    before = len(_versions(job))
+    again = publish(job.s3_anchor_url, step=20, mlflow_run_id=job.training_run_id,
+                    settings=SETTINGS)
+    assert again.already_published and again.version == published["version"]
+    key = resolve(job.s3_anchor_url).key
+    same = MlflowClient(job.tracking_uri).search_model_versions(
+        f"name = '{job.registered_model}' AND tags.anchor_key = '{key}'"
+    )
+    assert len(same) == 1 and len(_versions(job)) == before
+
+
+def test_corrupt_anchor_registers_nothing(
+    trained_job: TrainedJob, published: dict, tmp_path: Path
+) -> None:
+    job = trained_job
+    src = storage.local_path(job.anchor_url)
+    dst = tmp_path / "jobs" / "corrupt" / "checkpoints" / "step-000000020"
+    shutil.copytree(src, dst)
+    shard = sorted(dst.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    before = len(_versions(job))
+    with pytest.raises(PublishError, match=rf"corrupt: checksum mismatch in {shard.name}"):
+        publish(f"file://{dst}", settings=SETTINGS)
+    assert len(_versions(job)) == before
+
+
+def test_failed_calibration_registers_nothing(trained_job: TrainedJob, published: dict) -> None:
+    job = trained_job
+    before = len(_versions(job))
+    with pytest.raises(PublishError, match="validation .* failed, nothing registered: miscalib"):
+        publish(job.anchor_url, settings={**SETTINGS, "calibration_ratio": 1.0})
+    assert len(_versions(job)) == before
+    client = MlflowClient(job.tracking_uri)
+    runs = client.search_runs(
+        [client.get_experiment_by_name("publish-tests").experiment_id],
+        f"tags.`ett.anchor_key` = '{resolve(job.anchor_url).key}'",
+    )
+    assert runs and all(r.info.status == "FAILED" for r in runs)
+    assert "miscalibrated" in runs[0].data.tags["ett.publish_error"]
+
+
+def test_nan_weights_register_nothing(
+    trained_job: TrainedJob, published: dict, tmp_path: Path
+) -> None:
+    job = trained_job
+    url = _nan_copy(job, tmp_path / "jobs" / "nan" / "checkpoints" / "step-000000020")
+    before = len(_versions(job))
+    with pytest.raises(PublishError, match="NaN or infinite"):
+        publish(url, settings=SETTINGS)
+    assert len(_versions(job)) == before
+
+
+def test_worse_model_is_candidate_not_champion(trained_job: TrainedJob, published: dict) -> None:
+    """An earlier checkpoint, with a margin no model can meet: registered, not promoted."""
+    job = trained_job
+    result = publish(
+        job.step10_url,
+        settings={**SETTINGS, "require_anchor": False, "champion_margin": -1.0},
+    )
+    assert not result.already_published and not result.promoted
+    assert result.aliases == ["candidate"]
+    client = MlflowClient(job.tracking_uri)
+    champion = client.get_model_version_by_alias(job.registered_model, "champion")
+    assert champion.version == published["version"]
+    tags = client.get_model_version(job.registered_model, result.version).tags
+    assert tags["champion_version_at_publish"] == published["version"]
+    assert float(tags["champion_auc_at_publish"]) == pytest.approx(
+        published["metrics"]["holdout_auc"], abs=1e-6
+    )
+
+
+def test_interrupted_registration_is_completed_not_duplicated(
+    trained_job: TrainedJob, published: dict, tmp_path: Path
+) -> None:
+    """A publisher died after creating its version (no aliases, not marked complete): the
+    next publish of that anchor completes that version instead of adding another."""
+    job = trained_job
+    dst = tmp_path / "jobs" / "crashed" / "checkpoints" / "step-000000020"
+    shutil.copytree(storage.local_path(job.anchor_url), dst)
+    url = f"file://{dst}"
+    key = resolve(url).key
+    client = MlflowClient(job.tracking_uri)
+    run = client.get_run(published["publish_run_id"])
+    model_id = run.outputs.model_outputs[0].model_id  # the model the first publish logged
+    left = client.create_model_version(
+        job.registered_model, source=f"models:/{model_id}", model_id=model_id,
+        tags={"anchor_key": key},
+    )
+    result = publish(url, settings=SETTINGS)
+    assert result.version == left.version and "candidate" in result.aliases
+    same = client.search_model_versions(
+        f"name = '{job.registered_model}' AND tags.anchor_key = '{key}'"
+    )
+    assert [v.version for v in same] == [left.version]
+    assert same[0].tags["publish_status"] == "complete"
+
+
+def test_step_and_job_must_match_the_manifest(trained_job: TrainedJob) -> None:
+    with pytest.raises(PublishError, match="holds step 20, but step 7 was requested"):
+        publish(trained_job.anchor_url, step=7, settings=SETTINGS)
+    with pytest.raises(PublishError, match="belongs to job 'pub2'"):
+        publish(trained_job.anchor_url, job_id="other", settings=SETTINGS)
+    with pytest.raises(PublishError, match="not an anchor"):
+        publish(trained_job.step10_url, settings=SETTINGS)
+
+
+def test_prefect_flow_publishes_once(
+    trained_job: TrainedJob, published: dict, prefect_server: str, tmp_path: Path
+) -> None:
+    """The ``publish`` flow against a real Prefect server: every stage as a task, then the
+    same event again (a duplicate trigger) returns the version registered the first time."""
+    from prefect.settings import PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
+
+    from flows.publish_flow import publish_flow
+
+    job = trained_job
+    dst = tmp_path / "jobs" / job.config.job_id / "checkpoints" / "step-000000020"
+    shutil.copytree(storage.local_path(job.anchor_url), dst)
+    params = {"uri": f"file://{dst}", "step": 20, "job_id": job.config.job_id,
+              "mlflow_run_id": job.training_run_id, "settings": SETTINGS}
+    # Flow logs stay local: the API log handler would retry against the server after the
+    # session stopped it.
+    with temporary_settings(updates={PREFECT_LOGGING_TO_API_ENABLED: False}):
+        first = publish_flow(**params)
+        again = publish_flow(**{**params, "mlflow_run_id": ""})  # a template's "missing"
+    assert not first["already_published"] and "candidate" in first["aliases"]
+    assert first["metrics"]["holdout_parity_max_abs_diff"] <= 1e-5
+    assert again["already_published"] and again["version"] == first["version"]
+    spans = [e.name for e in read_events(f"file://{dst.parents[1]}") if e.name in PUBLISH_SPANS]
+    assert spans == list(PUBLISH_SPANS)
+
+
+def _nan_copy(job: TrainedJob, dst: Path) -> str:
+    """A committed copy of the anchor whose model weights are all NaN (valid checksums)."""
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.checkpoint.manifest import MANIFEST, FileEntry, Manifest, sha256_file
+
+    config = job.config
+    model = RankingModel(config.data, config.model)
+    state = {"model": model.state_dict()}
+    src = job.anchor_url
+    load_into(CommittedCheckpoint(src, read_manifest(src)), state, 0, None, no_dist=True)
+    with torch.no_grad():
+        for tensor in state["model"].values():
+            if tensor.is_floating_point():
+                tensor.fill_(float("nan"))
+    dst.mkdir(parents=True)
+    dcp.save(state, checkpoint_id=str(dst), no_dist=True)
+    shutil.copy(os.path.join(storage.local_path(src), "config.yaml"), dst / "config.yaml")
+    files = {
+        p.name: FileEntry(p.stat().st_size, sha256_file(str(p)))
+        for p in sorted(dst.iterdir())
+    }
+    original = read_manifest(src)
+    manifest = Manifest(step=original.step, world_size=1, config_hash=original.config_hash,
+                        files=files, anchor=True, job_id=original.job_id)
+    (dst / MANIFEST).write_text(manifest.to_json())
+    return f"file://{dst}"
