@@ -87,6 +87,12 @@ def cmd_stack(args: argparse.Namespace) -> int:
     return stack_main(args.stack_args)
 
 
+def cmd_publish(args: argparse.Namespace) -> int:
+    from publish.__main__ import main as publish_main
+
+    return publish_main(args.publish_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ett", description="Effective Training Time pipeline")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -116,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-on-regression", action="store_true", help="exit 1 on a regression")
     p = add("stack", cmd_stack, "local Prefect + MLflow + S3 servers: up|down|status|env", False)
     p.add_argument("stack_args", nargs=argparse.REMAINDER, help="e.g. up, down, status, env")
+    p = add("publish", cmd_publish, "publish an anchor checkpoint (see --help)", config=False)
+    p.add_argument("publish_args", nargs=argparse.REMAINDER, help="e.g. --uri URL")
     return parser
 
 
