@@ -14,12 +14,12 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install demo test lint bench stack stack-down clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) $(FBGEMM)
 	$(PIP) --no-deps torchrec==1.8.0
-	$(PIP) -e ".[dev,triton]"
+	$(PIP) -c constraints.txt -e ".[dev,triton]"
 	touch $(STAMP)
 
 install: $(STAMP)
