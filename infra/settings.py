@@ -107,7 +107,7 @@ class TrainConfig(_Frozen):
 
     steps: int = Field(default=600, ge=1)
     dense_lr: float = Field(default=3e-3, gt=0, le=10)
-    sparse_lr: float = Field(default=0.05, gt=0, le=10)
+    sparse_lr: float = Field(default=0.1, gt=0, le=10)
     eval_every: int = Field(default=200, ge=0)
     eval_rows: int = Field(default=50_000, ge=1)
     log_every: int = Field(default=50, ge=1)
