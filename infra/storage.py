@@ -22,6 +22,7 @@ from infra.settings import StorageConfig
 T = TypeVar("T")
 
 _options: dict[str, Any] = {}
+_retry: dict[str, Any] = {}  # with_retries' budget from StorageConfig (retries, backoff_s)
 
 
 class StorageError(OSError):
@@ -31,8 +32,10 @@ class StorageError(OSError):
 def configure(config: StorageConfig | None) -> None:
     """Set the S3 options used by every later call in this process (from the job config)."""
     _options.clear()
+    _retry.clear()
     if config is None:
         return
+    _retry.update(retries=config.retries, backoff_s=config.retry_backoff_s)
     client_kwargs: dict[str, Any] = {}
     if config.s3_endpoint_url:
         client_kwargs["endpoint_url"] = config.s3_endpoint_url
@@ -46,7 +49,9 @@ def configure(config: StorageConfig | None) -> None:
 
 
 def _s3_options() -> dict[str, Any]:
-    opts = dict(_options)
+    # No cached listings: checkpoints, markers and ledgers appear while a process watches
+    # (a cached listing would hide them, and s3fs answers exists() from it).
+    opts = {"use_listings_cache": False, **_options}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint and "client_kwargs" not in opts:
         opts["client_kwargs"] = {"endpoint_url": endpoint}
@@ -83,18 +88,36 @@ def local_path(url: str) -> str | None:
     return None
 
 
-def with_retries(what: str, fn: Callable[[], T], retries: int = 4, backoff_s: float = 0.5) -> T:
+def _transient_errors() -> tuple[type[BaseException], ...]:
+    """OSError and botocore's network errors (s3fs passes those through untranslated, and
+    they are no OSError: a refused or reset connection would escape every handler)."""
+    errors: tuple[type[BaseException], ...] = (OSError, TimeoutError)
+    try:
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+        from botocore.exceptions import HTTPClientError
+    except ImportError:  # no S3 support installed
+        return errors
+    return (*errors, BotoConnectionError, HTTPClientError)
+
+
+def with_retries(
+    what: str, fn: Callable[[], T], retries: int | None = None, backoff_s: float | None = None
+) -> T:
     """Run a storage call, retrying transient errors with exponential backoff.
 
-    A missing file is not transient and is raised at once; anything still failing after
-    ``retries`` retries becomes a StorageError naming ``what``.
+    ``retries`` and ``backoff_s`` default to the job's StorageConfig (``configure``), else
+    4 and 0.5 s. A missing file is not transient and is raised at once; anything still
+    failing after ``retries`` retries becomes a StorageError naming ``what``.
     """
+    retries = _retry.get("retries", 4) if retries is None else retries
+    backoff_s = _retry.get("backoff_s", 0.5) if backoff_s is None else backoff_s
+    transient = _transient_errors()
     for attempt in range(retries + 1):
         try:
             return fn()
         except FileNotFoundError:
             raise
-        except (OSError, ConnectionError, TimeoutError) as exc:
+        except transient as exc:
             if attempt == retries:
                 raise StorageError(f"{what}: failed after {retries + 1} tries: {exc}") from exc
             time.sleep(backoff_s * (2**attempt))

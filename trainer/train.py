@@ -25,6 +25,7 @@ from infra import exit_codes, storage
 from infra.ledger import Ledger, ledger_url
 from infra.settings import ConfigError, JobConfig, load_config
 from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.manifest import CheckpointError
 from trainer.checkpoint.state import app_state
 from trainer.data.batch import Batch
 from trainer.distributed import DistEnv
@@ -113,6 +114,9 @@ def run(config: JobConfig) -> int:
     preemption.install()
     try:
         return _train(config, ledger, preemption)
+    except CheckpointError as exc:  # corrupt or incompatible: relaunching cannot help
+        log.error("cannot resume: %s", exc)
+        return exit_codes.CHECKPOINT_INCOMPATIBLE
     finally:
         ledger.close()
         if dist.is_initialized():
