@@ -93,6 +93,14 @@ def cmd_publish(args: argparse.Namespace) -> int:
     return publish_main(args.publish_args)
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The main job on embedded defaults: data, training flow with one injected failure,
+    recovery, anchor, publishing as its own flow run, the ETT table."""
+    from flows.demo import run_demo
+
+    return run_demo(steps=args.steps, nproc=args.nproc)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ett", description="Effective Training Time pipeline")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -115,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--failures-per-day", type=float, required=True)
     p.add_argument("--step-time-s", type=float, help="to express the interval in steps")
     p.add_argument("--upload-s", type=float, help="async upload time (interval must exceed it)")
+    p = add("demo", cmd_demo, "run the main job on embedded defaults (make demo)", config=False)
+    p.add_argument("--steps", type=int, help="training steps (default: the config's)")
+    p.add_argument("--nproc", type=int, default=1, help="processes (ranks)")
     p = add("fleet", cmd_fleet, "ETT trend and regressions over all jobs of an experiment")
     p.add_argument("--experiment", help="MLflow experiment (default: tracking.experiment)")
     p.add_argument("--tracking-uri", help="MLflow URI (default: tracking.mlflow_uri)")
