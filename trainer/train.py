@@ -155,10 +155,11 @@ def _train(config: JobConfig, ledger: Ledger, preemption: Preemption) -> int:
             checkpointer.wait_until_staged()
             step += 1
             faults.at_step(step)
-            with ledger.span("train_step", step=step):
+            with ledger.span("train_step", step=step) as attrs:
                 batch = pending if pending is not None else next(batches)
                 pending = None
                 loss = train_step(model, optimizer, batch, env.device)
+                attrs["loss"] = round(loss, 6)
             stats.add(loss, len(batch))
             if step % config.train.log_every == 0 and env.is_main:
                 mean_loss, rate = stats.take()
