@@ -17,6 +17,7 @@ BENCHMARKS = [
     "bench_startup.py",
     "bench_attention.py",
     "bench_publish.py",
+    "bench_recovery.py",
 ]
 
 

@@ -317,18 +317,24 @@ def compute_report(events: list[Event], interval_s: float | None = None) -> EttR
     # -- L1 and checkpoint metrics --------------------------------------------------------
     durations = [e.duration for e in steps]
     med = _median(durations)
-    ckpts = sorted((e for e in job if e.name == "checkpoint_blocking"),
+    # One checkpoint may block twice (the save call, then the wait for its staging copy
+    # before the next step): its spans share attempt and step.
+    spans = [e for e in job if e.name == "checkpoint_blocking"]
+    per_ckpt: dict[tuple[int, int | None], list[Event]] = defaultdict(list)
+    for e in spans:
+        per_ckpt[(e.attempt, e.step)].append(e)
+    ckpts = sorted((min(es, key=lambda e: e.start) for es in per_ckpt.values()),
                    key=lambda e: (e.attempt, e.start))
     pairs = [(a, b) for a, b in zip(ckpts, ckpts[1:], strict=False) if a.attempt == b.attempt]
     gaps_steps = [float(b.step - a.step) for a, b in pairs if None not in (a.step, b.step)]
-    blocking_total = math.fsum(e.duration for e in ckpts)
+    blocking_total = math.fsum(e.duration for e in spans)
     blocking_mean = blocking_total / len(ckpts) if ckpts else None
     loop = math.fsum(last_end[a] - first_step[a] for a in first_step)
     interval = interval_s if interval_s is not None else _median([b.start - a.start
                                                                   for a, b in pairs])
     if interval is None and ckpts and loop > 0:
         interval = loop / len(ckpts)
-    blocks = {(e.attempt, e.step): e.end for e in ckpts}
+    blocks = {key: max(e.end for e in es) for key, es in per_ckpt.items()}
     commits = [e for e in job if e.name == "checkpoint_committed"]
     latency = [e.start - blocks[(e.attempt, e.step)] for e in commits
                if (e.attempt, e.step) in blocks]

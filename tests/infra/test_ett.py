@@ -319,3 +319,22 @@ def test_first_attempt_dies_during_init(tmp_path) -> None:
     assert (f.cause, f.last_step, f.died_at) == ("crash", None, 5)
     assert (f.detected_at, f.resumed_at, f.time_to_recover_s) == (7, 10, 5)
     assert r.init[0].wall_s is None and r.init[0].critical_path == ("scheduling", "pre_train")
+
+
+def test_save_and_staging_wait_of_one_checkpoint_count_once(tmp_path) -> None:
+    """An async_staged checkpoint blocks twice (the save call, then the wait for staging
+    before the next step); both spans carry its step and must count as ONE checkpoint."""
+    led = Ledger(f"file://{tmp_path}/job", clock=lambda: 0.0)
+    led.mark("attempt_start", t=0.0)
+    for step, start in ((1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)):
+        led.record_span("train_step", start, start + 0.9, step=step)
+    led.record_span("checkpoint_blocking", 2.9, 2.95, step=2)  # the save call
+    led.record_span("checkpoint_blocking", 2.95, 3.0, step=2, phase="staging")
+    led.record_span("checkpoint_blocking", 4.9, 5.0, step=4)
+    led.record_span("shutdown", 5.0, 5.5, step=4)
+    led.mark("job_end", step=4, t=5.5)
+    led.close()
+    report = report_for_job(f"file://{tmp_path}/job")
+    assert report.checkpoint_blocking_total_s == pytest.approx(0.2)
+    assert report.checkpoint_blocking_mean_s == pytest.approx(0.1)  # 2 checkpoints, not 3
+    assert report.checkpoint_interval_s == pytest.approx(2.0)

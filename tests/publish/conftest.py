@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +20,6 @@ from infra import storage
 from infra.ledger import read_events
 from infra.settings import JobConfig
 from tests.factories import run_trainer, tiny_config, write_dataset
-
-# The session servers of tests/servers.py, unless the top-level conftest provides them.
-if not hasattr(sys.modules.get("tests.conftest"), "mlflow_server"):
-    from tests.servers import mlflow_server, prefect_server, s3_server  # noqa: F401
 
 log = logging.getLogger(__name__)
 
