@@ -1,0 +1,106 @@
+"""The ``retrain`` flow (cron-scheduled in prefect.yaml): train the next data window, warm.
+
+1. The window: the newest complete date partition ``dt=YYYY-MM-DD`` under ``data_root``
+   (complete = it holds ``_meta.json`` or ``_SUCCESS``, written last by the producer).
+2. The warm start: the current champion of the registered model (MLflow alias ``champion``)
+   carries its anchor checkpoint's URI in the version tag ``anchor_uri`` (set by publishing);
+   it becomes ``checkpoint.warm_start``. No champion: a cold start.
+3. Training: the ``train`` flow as a subflow, job id ``<job_prefix>-<YYYY-MM-DD>``. A window
+   trained before resumes its own job (and re-publishing an anchor is idempotent).
+4. Promotion is not decided here: the anchor event triggers ``publish``, which compares the
+   new model with the champion.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+
+from flows.train_flow import train_flow
+from infra import storage
+from infra.settings import load_config
+from tasks.train import logger
+
+PARTITION = re.compile(r"dt=(\d{4}-\d{2}-\d{2})")
+COMPLETE_MARKERS = ("_meta.json", "_SUCCESS")
+CHAMPION_ALIAS = "champion"
+ANCHOR_TAG = "anchor_uri"  # version tag written by publish/pipeline.py
+
+
+@dataclass(frozen=True)
+class Window:
+    date: str
+    url: str
+
+
+@task(name="latest-window", cache_policy=NO_CACHE)
+def latest_window(data_root: str) -> Window:
+    """The newest complete ``dt=YYYY-MM-DD`` partition under ``data_root``."""
+    found = [Window(m.group(1), storage.join(data_root, name))
+             for name in storage.listdir(data_root) if (m := PARTITION.fullmatch(name))]
+    for window in sorted(found, key=lambda w: w.date, reverse=True):
+        if any(storage.exists(storage.join(window.url, m)) for m in COMPLETE_MARKERS):
+            return window
+        logger().warning("skipping incomplete partition %s (no %s yet)", window.url,
+                         " or ".join(COMPLETE_MARKERS))  # fmt: skip
+    raise FileNotFoundError(f"no complete dt=YYYY-MM-DD partition under {data_root}")
+
+
+@task(name="champion-anchor", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+def champion_anchor(tracking_uri: str, registered_model: str) -> str | None:
+    """The anchor checkpoint URI of the model's champion version, None if there is none."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    try:
+        version = client.get_model_version_by_alias(registered_model, CHAMPION_ALIAS)
+    except MlflowException as exc:
+        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            logger().info("no champion of %s yet: cold start", registered_model)
+            return None
+        raise
+    uri = (version.tags or {}).get(ANCHOR_TAG)
+    if not uri:
+        logger().warning("champion %s v%s has no %s tag: cold start", registered_model,
+                         version.version, ANCHOR_TAG)  # fmt: skip
+        return None
+    logger().info("champion %s v%s: warm start from %s", registered_model, version.version, uri)
+    return uri
+
+
+@flow(name="retrain", log_prints=True)
+def retrain_flow(
+    config: str | None = None,
+    data_root: str = "file://./runs/data/daily",
+    job_prefix: str | None = None,
+    nproc: int = 1,
+    max_failures: int = 3,
+    backoff_s: float = 10.0,
+    hang_timeout_s: float = 600.0,
+    faults: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Train on the newest window of ``data_root``, warm-started from the champion.
+
+    ``job_prefix`` defaults to the config's job id; the job is ``<prefix>-<date>``."""
+    base = load_config(config)
+    storage.configure(base.storage)
+    window = latest_window(data_root)
+    warm = champion_anchor(base.tracking.mlflow_uri, base.tracking.registered_model)
+    overrides: dict[str, Any] = {
+        "job_id": f"{job_prefix or base.job_id}-{window.date}",
+        "data": {"url": window.url},
+    }
+    if warm is not None:
+        overrides["checkpoint"] = {"warm_start": warm}
+    logger().info("retraining %s on %s (%s)", overrides["job_id"], window.url,
+                  f"warm from {warm}" if warm else "cold start")  # fmt: skip
+    result = train_flow(
+        config=config, overrides=overrides, nproc=nproc, max_failures=max_failures,
+        backoff_s=backoff_s, hang_timeout_s=hang_timeout_s, faults=faults,
+    )  # fmt: skip
+    return {**result, "window": window.date, "data_url": window.url, "warm_start": warm}

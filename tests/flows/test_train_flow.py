@@ -1,0 +1,129 @@
+"""The ``train`` flow on Prefect's test harness (a temporary API), with the fake trainer:
+attempts as tasks, the anchor event (captured), the artifacts, MLflow and the failure path.
+
+Only the command is swapped (the fake trainer instead of torchrun + trainer); the launcher,
+the ledger, the ETT report and MLflow tracking (SQLite) are real.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from prefect.events.clients import AssertingEventsClient
+from prefect.events.worker import EventsWorker
+from prefect.testing.utilities import prefect_test_harness
+
+import flows.train_flow as train_module
+from flows.report_flow import ett_report_flow
+from infra.settings import dump_config
+from tasks.events import ANCHOR_EVENT
+from tasks.report import artifact_key
+from tests.factories import tiny_config
+
+FAKE = str(Path(__file__).with_name("fake_trainer.py"))
+pytestmark = pytest.mark.slow  # the test harness alone takes ~10-70 s to start here
+
+
+@pytest.fixture(scope="module")
+def harness() -> Iterator[None]:
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture
+def events(monkeypatch: pytest.MonkeyPatch) -> Iterator[EventsWorker]:
+    worker = EventsWorker.instance(AssertingEventsClient)
+    monkeypatch.setattr(EventsWorker, "instance", lambda *_: worker)
+    yield worker
+    worker.drain()
+
+
+@pytest.fixture
+def fake_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(train_module, "torchrun_command",
+                        lambda path, nproc=1: [sys.executable, FAKE, "--config", path])
+
+
+def _anchor_events(worker: EventsWorker) -> list:
+    worker.drain()
+    client = AssertingEventsClient.last
+    assert client is not None
+    return [e for e in client.events if e.event == ANCHOR_EVENT]
+
+
+def _artifact(key: str):
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))
+        )
+    assert found, f"no artifact {key}"
+    return found[0]
+
+
+def test_train_flow_recovers_emits_anchor_and_reports(
+    tmp_path: Path, harness: None, events: EventsWorker, fake_trainer: None
+) -> None:
+    config = tiny_config(tmp_path, job_id="flow-ok", train={"steps": 20, "log_every": 2})
+    path = tmp_path / "job.yaml"
+    dump_config(config, path)
+    faults = [{"kind": "crash", "step": 8, "attempt": 0}]
+
+    result = train_module.train_flow(config=str(path), faults=faults, backoff_s=0.5)
+
+    assert result["failures"] == 1 and result["preemptions"] == 0
+    assert result["anchor"]["step"] == 20
+    assert result["report"]["num_failures"] == 1 and result["report"]["finished"]
+    anchor_events = _anchor_events(events)
+    assert len(anchor_events) == 1
+    event = anchor_events[0]
+    assert event.resource.id == "ett.checkpoint.flow-ok"
+    assert event.payload == {"uri": result["anchor"]["uri"], "step": 20, "job_id": "flow-ok",
+                             "mlflow_run_id": result["mlflow_run_id"]}  # fmt: skip
+
+    progress = _artifact(artifact_key("train-progress", "flow-ok"))
+    assert progress.type == "progress" and float(progress.data) == 100.0
+    markdown = _artifact(artifact_key("ett", "flow-ok"))
+    assert "ETT report" in markdown.data and "Number of Failures | 1" in markdown.data
+
+    ml = MlflowClient(config.tracking.mlflow_uri)
+    run = ml.get_run(result["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["ett.num_failures"] == 1.0
+    children = ml.search_runs([run.info.experiment_id],
+                              f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")  # fmt: skip
+    assert sorted(c.data.tags["cause"] for c in children) == ["crash", "success"]
+
+
+def test_train_flow_fails_clearly_and_still_reports(
+    tmp_path: Path, harness: None, events: EventsWorker, fake_trainer: None
+) -> None:
+    config = tiny_config(tmp_path, job_id="flow-bad", train={"steps": 20, "log_every": 2})
+    path = tmp_path / "job.yaml"
+    dump_config(config, path)
+    faults = [{"kind": "crash", "step": 3, "attempt": a} for a in range(2)]
+
+    state = train_module.train_flow(config=str(path), faults=faults, max_failures=1,
+                                    backoff_s=0.1, return_state=True)  # fmt: skip
+
+    assert state.is_failed()
+    with pytest.raises(train_module.TrainingFailed, match="2 failures exceed max_failures=1"):
+        state.result()
+    assert _anchor_events(events) == []  # nothing to publish
+    markdown = _artifact(artifact_key("ett", "flow-bad"))
+    assert "Number of Failures | 2" in markdown.data
+    ml = MlflowClient(config.tracking.mlflow_uri)
+    exp = ml.get_experiment_by_name(config.tracking.experiment)
+    runs = ml.search_runs([exp.experiment_id], "tags.`ett.job_id` = 'flow-bad'")
+    assert [r.info.status for r in runs] == ["FAILED"]
+    assert runs[0].data.metrics["ett.num_failures"] == 2.0
+
+    fleet = ett_report_flow(tracking_uri=config.tracking.mlflow_uri,
+                            experiment=config.tracking.experiment, out_dir=str(tmp_path / "fleet"))
+    assert fleet["jobs"] == 1 and Path(fleet["files"]["md"]).is_file()
+    assert "flow-bad" in _artifact(artifact_key("ett-fleet", config.tracking.experiment)).data
