@@ -112,7 +112,15 @@ class TrainConfig(_Frozen):
     eval_rows: int = Field(default=50_000, ge=1)
     log_every: int = Field(default=50, ge=1)
     seed: int = 0
+    # torch.compile the dense interaction (trainer/compiled.py); False trains eagerly.
+    # Off by default until the compile cache is shared by default (a cold CPU compile of
+    # the demo model measured ~53 s, a warm one ~6 s: benchmarks/bench_startup.py).
     compile: bool = False
+    # Shared compile cache (trainer/compile_cache.py): loaded before compiling, saved after.
+    compile_cache: bool = True
+    compile_cache_url: str | None = None  # None: <storage.root>/compile-cache
+    # Init sub-stages as a dependency graph on threads (False: one after another).
+    parallel_init: bool = True
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
 

@@ -1,0 +1,173 @@
+"""Fast start: the init stage graph runs independent stages concurrently (each its own span),
+and the compiled dense step never recompiles for batch sizes or jagged lengths."""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from infra.ett import compute_report
+from infra.ledger import Ledger, read_events
+from tests.factories import tiny_config
+from trainer import compiled
+from trainer.data.batch import Batch
+from trainer.init_stages import STAGE_DEPS
+from trainer.model import RankingModel, batch_to_kjts
+from trainer.stage_graph import Stage, run_stages
+
+INDUCTOR_DIR = Path(tempfile.gettempdir()) / "ett-tests-inductor"
+
+
+def sleeper(seconds: float, log: list[str]):
+    def fn(results: dict, attrs: dict) -> str:
+        log.append(f"start {threading.current_thread().name}")
+        time.sleep(seconds)
+        attrs["slept"] = seconds
+        return f"{seconds}"
+
+    return fn
+
+
+def graph(log: list[str]) -> list[Stage]:
+    return [
+        Stage("process_group_init", "process_group_init", sleeper(0.05, log)),
+        Stage("preproc_creation", "preproc_creation", sleeper(0.3, log), ("process_group_init",)),
+        Stage("train_module_creation", "train_module_creation", sleeper(0.3, log),
+              ("process_group_init",)),
+        Stage("restore", "pre_train", sleeper(0.1, log), ("train_module_creation",),
+              {"stage": "restore"}),
+        Stage("compile", "pre_train", sleeper(0.4, log), (), {"stage": "compile"}),
+        Stage("get_first_batch_data", "get_first_batch_data", sleeper(0.1, log),
+              ("preproc_creation",)),
+    ]
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_stage_graph_overlaps_independent_stages(tmp_path, parallel):
+    ledger = Ledger(f"file://{tmp_path}/job")
+    t0 = time.perf_counter()
+    results = run_stages(graph([]), ledger, parallel=parallel)
+    wall = time.perf_counter() - t0
+    ledger.close()
+    assert set(results) == {s.key for s in graph([])}
+    events = {e.attrs.get("stage", e.name): e for e in read_events(f"file://{tmp_path}/job")}
+    assert len(events) == 6
+    for s in graph([]):  # every stage started after its dependencies ended
+        for dep in s.deps:
+            assert events[s.key].start >= events[dep].end
+    if parallel:  # longest chain: 0.05 + 0.3 + 0.1 = 0.45 (and 0.4 for compile alone)
+        assert wall < 0.9
+        assert events["compile"].start < events["process_group_init"].end
+    else:
+        assert wall >= 1.25
+        order = sorted(events.values(), key=lambda e: e.start)
+        assert [e.attrs.get("stage", e.name) for e in order] == [s.key for s in graph([])]
+
+
+def test_stage_error_stops_the_graph_after_running_stages_finish(tmp_path):
+    def boom(results: dict, attrs: dict) -> None:
+        time.sleep(0.05)
+        raise ValueError("loader failed")
+
+    log: list[str] = []
+    stages = [Stage("compile", "pre_train", sleeper(0.5, log), (), {"stage": "compile"}),
+              Stage("preproc_creation", "preproc_creation", boom),
+              Stage("get_first_batch_data", "get_first_batch_data", sleeper(0.1, log),
+                    ("preproc_creation",))]
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="loader failed"):
+        run_stages(stages, Ledger(f"file://{tmp_path}/job"), parallel=True)
+    assert time.perf_counter() - t0 >= 0.5  # the running compile stage was waited for
+    assert log == ["start init-compile"]  # nothing started after the failure
+
+
+def test_stage_spans_feed_the_init_breakdown(tmp_path):
+    ledger = Ledger(f"file://{tmp_path}/job")
+    with ledger.span("device_init"):
+        pass
+    run_stages(graph([]), ledger, parallel=True)
+    with ledger.span("train_step", step=1):
+        pass
+    ledger.close()
+    report = compute_report(read_events(f"file://{tmp_path}/job"))
+    init = report.init[0]
+    assert init.union_s < init.sum_s  # stages overlapped
+    assert "pre_train" in init.critical_path
+    assert report.time_to_start_s == pytest.approx(init.wall_s)
+    assert set(STAGE_DEPS) >= {s.key for s in graph([])}
+
+
+def random_batch(config, size: int, max_history: int, gen: torch.Generator) -> Batch:
+    data = config.data
+    lengths = torch.randint(0, max_history + 1, (size,), generator=gen)
+    offsets = torch.zeros(size + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    return Batch(
+        dense=torch.randn(size, data.num_dense, generator=gen),
+        cat=torch.stack([torch.randint(0, v, (size,), generator=gen)
+                         for v in data.cat_vocab_sizes], dim=1),
+        item=torch.randint(0, data.item_vocab_size, (size,), generator=gen),
+        history_values=torch.randint(0, data.item_vocab_size, (int(offsets[-1]),),
+                                     generator=gen),
+        history_offsets=offsets,
+        labels=torch.randint(0, 2, (size,), generator=gen).float(),
+    )
+
+
+@pytest.mark.slow
+def test_no_recompiles_across_batch_sizes_and_jagged_lengths(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(INDUCTOR_DIR))
+    config = tiny_config(tmp_path, train={"compile": True})
+    job = f"file://{tmp_path}/job"
+    ledger = Ledger(job)
+    gen = torch.Generator().manual_seed(0)
+    torch._dynamo.reset()
+    with torch.compiler.config.patch(unbacked_sources="", job_id=None):
+        compiled.configure("ett-test")
+        watcher = compiled.RecompileWatcher(ledger).install()
+        try:
+            torch.manual_seed(0)
+            model = RankingModel(config.data, config.model)  # unsharded, on the CPU
+            keys = list(model.state_dict())
+            compiled.compile_in_place(compiled.dense_module(model))
+            assert list(model.state_dict()) == keys  # checkpoints stay loadable eagerly
+            compiled.warm_up(config, torch.device("cpu"))
+            watcher.phase = "train"
+            graphs = counters["stats"]["unique_graphs"]
+            optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+            # full batches, a short last batch, a single row; histories empty to long
+            for size, max_history in [(64, 16), (40, 3), (1, 0), (64, 1), (7, 40), (64, 16)]:
+                batch = random_batch(config, size, max_history, gen)
+                sparse, history = batch_to_kjts(batch)
+                logits = model(batch.dense, sparse, history)
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                assert torch.isfinite(loss)
+            model.eval()
+            with torch.no_grad():
+                for size in (256, 244, 1):
+                    batch = random_batch(config, size, 16, gen)
+                    model(batch.dense, *batch_to_kjts(batch))
+            assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled after warm-up
+
+            # the watcher does mark a recompile, with its reason
+            fn = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+            fn(torch.ones(2))
+            fn(torch.ones(2, dtype=torch.float64))
+        finally:
+            watcher.uninstall()
+            torch._logging.set_logs()
+            torch._dynamo.reset()
+    ledger.close()
+    marks = [e for e in read_events(job) if e.name == "recompile"]
+    trained = [e.attrs for e in marks if e.attrs["phase"] == "train"]
+    assert len(trained) == 1 and "dtype" in trained[0]["reason"], trained
+    assert watcher.count == {"init": 1, "train": 1}  # init: the eval graph (grad mode off)
