@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
 
 from infra import storage
@@ -80,6 +81,66 @@ class Event:
         return self.end - self.start
 
 
+# For attrs that are not plain scalars (lists, dicts, paths...).
+_ATTRS_ENCODER = json.JSONEncoder(separators=(",", ":"), default=str)
+
+
+def _json_value(value: Any) -> str:
+    """Plain scalars are formatted directly: JSONEncoder.encode builds an encoder per call,
+    which dominated the cost of a step's span (the trainer records the loss with each)."""
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else ("true" if value else "false")
+    if isinstance(value, int):
+        return str(int(value))
+    if isinstance(value, float) and math.isfinite(value):
+        return repr(value)
+    if isinstance(value, str):
+        return encode_basestring_ascii(value)
+    return _ATTRS_ENCODER.encode(value)
+
+
+def _attrs_json(attrs: dict[str, Any]) -> str:
+    fields = (f"{encode_basestring_ascii(str(k))}:{_json_value(v)}" for k, v in attrs.items())
+    return "{" + ",".join(fields) + "}"
+
+
+def _line(kind: str, name: str, times: str, attempt: int, rank: int,
+          step: int | None, attrs: dict[str, Any]) -> bytes:
+    """One event line. The fixed fields are formatted directly (names come from the closed
+    vocabulary, numbers are finite): on the step path this costs a third of json.dumps."""
+    step_field = "" if step is None else f',"step":{int(step)}'
+    attrs_field = f',"attrs":{_attrs_json(attrs)}' if attrs else ""
+    return (f'{{"v":1,"kind":"{kind}","name":"{name}",{times},"attempt":{attempt},'
+            f'"rank":{rank}{step_field}{attrs_field}}}\n').encode()
+
+
+def _time(value: float) -> str:
+    """A JSON number for a clock reading (repr keeps every digit of the float)."""
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"ledger times must be finite, got {value!r}")
+    return repr(value)
+
+
+class _Span:
+    """The context manager of ``Ledger.span``: a plain class, as a generator-based one costs
+    several times more on the training step's path."""
+
+    __slots__ = ("_ledger", "_name", "_step", "_start", "attrs")
+
+    def __init__(self, ledger: Ledger, name: str, step: int | None, attrs: dict[str, Any]):
+        self._ledger, self._name, self._step, self.attrs = ledger, name, step, attrs
+        self._start = 0.0
+
+    def __enter__(self) -> dict[str, Any]:
+        self._start = self._ledger.clock()
+        return self.attrs
+
+    def __exit__(self, *exc: object) -> None:
+        led = self._ledger
+        led._write_span(self._name, self._start, led.clock(), self._step, self.attrs)
+
+
 def ledger_url(job_url: str) -> str:
     return storage.join(job_url, "ledger")
 
@@ -117,20 +178,25 @@ class Ledger:
         else:
             os.makedirs(os.path.dirname(local), exist_ok=True)
         self._local = local
-        self._fh = open(local, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        # One write() per event on an O_APPEND descriptor: no user-space buffer to lose on
+        # SIGKILL, and at most the line being written is torn.
+        self._fd: int | None = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._sync_every_s = sync_every_s
         self._last_sync = clock()
 
     # -- writing ----------------------------------------------------------------------------
-    def _write(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record, separators=(",", ":"), default=str) + "\n"
+    def _write(self, line: bytes) -> None:
         with self._lock:
-            if self._fh.closed:
+            if self._fd is None:
                 return
-            self._fh.write(line)
-            self._fh.flush()
+            os.write(self._fd, line)
             if self._remote and self.clock() - self._last_sync >= self._sync_every_s:
                 self._sync_locked()
+
+    def _write_span(self, name: str, start: float, end: float, step: int | None,
+                    attrs: dict[str, Any]) -> None:
+        times = f'"start":{_time(start)},"end":{_time(end)}'
+        self._write(_line("span", name, times, self.attempt, self.rank, step, attrs))
 
     def record_span(
         self, name: str, start: float, end: float, step: int | None = None, **attrs: Any
@@ -138,23 +204,14 @@ class Ledger:
         """Record a span that already happened (e.g. measured by another process)."""
         if name not in SPAN_NAMES:
             raise ValueError(f"unknown span name {name!r}; known: {sorted(SPAN_NAMES)}")
-        record: dict[str, Any] = {"v": 1, "kind": "span", "name": name, "start": start}
-        record.update(end=end, attempt=self.attempt, rank=self.rank)
-        if step is not None:
-            record["step"] = step
-        if attrs:
-            record["attrs"] = attrs
-        self._write(record)
+        self._write_span(name, start, end, step, attrs)
 
-    @contextmanager
-    def span(self, name: str, step: int | None = None, **attrs: Any) -> Iterator[dict[str, Any]]:
-        """Time a block; the yielded dict collects extra attrs to write with the span."""
-        start = self.clock()
-        extra: dict[str, Any] = dict(attrs)
-        try:
-            yield extra
-        finally:
-            self.record_span(name, start, self.clock(), step=step, **extra)
+    def span(self, name: str, step: int | None = None, **attrs: Any) -> _Span:
+        """Time a block (``with ledger.span("eval") as attrs:``); the dict it yields
+        collects extra attrs to write with the span, also when the block raises."""
+        if name not in SPAN_NAMES:
+            raise ValueError(f"unknown span name {name!r}; known: {sorted(SPAN_NAMES)}")
+        return _Span(self, name, step, attrs)
 
     def mark(
         self, name: str, step: int | None = None, t: float | None = None, **attrs: Any
@@ -162,13 +219,8 @@ class Ledger:
         """Record an instant: a failure, a resume, a committed checkpoint, a recompile."""
         if name not in MARK_NAMES:
             raise ValueError(f"unknown mark name {name!r}; known: {sorted(MARK_NAMES)}")
-        record: dict[str, Any] = {"v": 1, "kind": "mark", "name": name}
-        record.update(t=self.clock() if t is None else t, attempt=self.attempt, rank=self.rank)
-        if step is not None:
-            record["step"] = step
-        if attrs:
-            record["attrs"] = attrs
-        self._write(record)
+        times = f'"t":{_time(self.clock() if t is None else t)}'
+        self._write(_line("mark", name, times, self.attempt, self.rank, step, attrs))
 
     def _sync_locked(self) -> None:
         try:
@@ -185,9 +237,10 @@ class Ledger:
 
     def close(self) -> None:
         with self._lock:
-            if self._fh.closed:
+            if self._fd is None:
                 return
-            self._fh.close()
+            os.close(self._fd)
+            self._fd = None
             if self._remote:
                 self._sync_locked()
 
