@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -222,12 +223,14 @@ class Ledger:
         times = f'"t":{_time(self.clock() if t is None else t)}'
         self._write(_line("mark", name, times, self.attempt, self.rank, step, attrs))
 
-    def _sync_locked(self) -> None:
+    def _sync_locked(self) -> bool:
         try:
             storage.put_file(self._local, self.url)
             self._last_sync = self.clock()
+            return True
         except OSError as exc:  # a storage hiccup must never stop training
             log.warning("ledger upload to %s failed (will retry): %s", self.url, exc)
+            return False
 
     def sync(self) -> None:
         """Push the spooled file to remote storage now (no-op on local disk)."""
@@ -241,8 +244,13 @@ class Ledger:
                 return
             os.close(self._fd)
             self._fd = None
-            if self._remote:
-                self._sync_locked()
+            if not self._remote:
+                return
+            if self._sync_locked():
+                shutil.rmtree(os.path.dirname(self._local), ignore_errors=True)
+            else:  # nothing is lost: the events stay on local disk
+                log.error("ledger %s not uploaded; its events are kept in %s", self.url,
+                          self._local)
 
     def __enter__(self) -> Ledger:
         return self

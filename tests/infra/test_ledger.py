@@ -102,6 +102,20 @@ def test_memory_url_uploads_on_close_and_periodically() -> None:
     events = read_events(url)
     assert events[-1].attrs == {"cause": "hang"} and events[-1].rank == 1
     assert storage.listdir(ledger_url(url)) == ["orchestrator-attempt000-rank001.jsonl"]
+    assert not Path(led._local).parent.exists(), "the local spool outlived its upload"
+
+
+def test_a_failed_final_upload_keeps_the_spooled_events(monkeypatch) -> None:
+    led = Ledger(f"memory://ledger-{uuid.uuid4().hex}", clock=_ticking())
+    led.mark("failure", cause="sigkill")
+
+    def outage(*args: object) -> None:
+        raise OSError("storage unreachable")
+
+    monkeypatch.setattr(storage, "put_file", outage)
+    led.close()
+    kept = Path(led._local).read_text()
+    assert '"cause":"sigkill"' in kept
 
 
 def test_events_from_all_files_are_merged_in_time_order(tmp_path) -> None:

@@ -79,3 +79,23 @@ def test_retention_keeps_latest_k_anchor_and_inflight(job_url: str) -> None:
     assert step_dir_name(50) in names and step_dir_name(15) not in names
     purge_uncommitted(job_url)  # at the start of an attempt nothing is in flight
     assert step_dir_name(50) not in storage.listdir(checkpoints_url(job_url))
+
+
+def test_spools_of_killed_attempts_are_removed_and_live_ones_kept(tmp_path, monkeypatch) -> None:
+    import os
+    import subprocess
+
+    from trainer.checkpoint.checkpointer import remove_stale_spools
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"ett-ckpt-job-a-r0-p{dead.pid}-x1"
+    live = tmp_path / f"ett-ckpt-job-a-r0-p{os.getpid()}-x2"
+    other_rank = tmp_path / f"ett-ckpt-job-a-r1-p{dead.pid}-x3"
+    other_job = tmp_path / f"ett-ckpt-job-a-b-r0-p{dead.pid}-x4"
+    for folder in (stale, live, other_rank, other_job):
+        folder.mkdir()
+        (folder / "__0_0.distcp").write_bytes(b"x" * 10)
+    assert remove_stale_spools("job-a", 0) == [str(stale)]
+    assert not stale.exists() and live.exists() and other_rank.exists() and other_job.exists()

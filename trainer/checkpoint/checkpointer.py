@@ -63,6 +63,37 @@ class InFlight:
     error: list[BaseException]
 
 
+
+def _spool_prefix(job_id: str, rank: int) -> str:
+    return f"ett-ckpt-{job_id}-r{rank}-p"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_spools(job_id: str, rank: int) -> list[str]:
+    """Delete the local spools that killed attempts of this job and rank left behind (a
+    SIGKILL mid-upload leaves a whole checkpoint in the temp folder). A spool is named with
+    its process id; one whose process still runs is kept."""
+    prefix = _spool_prefix(job_id, rank)
+    removed = []
+    for entry in os.scandir(tempfile.gettempdir()):
+        pid_part = entry.name[len(prefix):].split("-", 1)[0]
+        if entry.name.startswith(prefix) and pid_part.isdigit() and not _pid_alive(int(pid_part)):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    if removed:
+        log.info("removed %d stale checkpoint spool(s) of killed attempts", len(removed))
+    return removed
+
+
 class Checkpointer:
     """One per rank. ``save`` never raises for storage trouble: a failed checkpoint is
     logged, marked in the ledger, and the previous committed one stays the latest."""
@@ -83,7 +114,8 @@ class Checkpointer:
         self.on_phase = on_phase
         self.root = checkpoints_url(config.job_url)
         self.remote = storage.local_path(self.root) is None
-        self.spool = tempfile.mkdtemp(prefix=f"ett-ckpt-{config.job_id}-r{rank}-")
+        remove_stale_spools(config.job_id, rank)
+        self.spool = tempfile.mkdtemp(prefix=f"{_spool_prefix(config.job_id, rank)}{os.getpid()}-")
         self._stager: ShardedStateStager | None = None
         self._inflight: InFlight | None = None
         # The config never changes: render its YAML once, not in every save's blocking time
