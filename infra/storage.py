@@ -126,7 +126,7 @@ def with_retries(
 
 def exists(url: str) -> bool:
     fs, path = split(url)
-    return bool(fs.exists(path))
+    return bool(with_retries(f"stat {url}", lambda: fs.exists(path)))
 
 
 def read_bytes(url: str) -> bytes:
@@ -162,7 +162,7 @@ def listdir(url: str) -> list[str]:
     """Names (not paths) of the entries directly under a URL; empty when it does not exist."""
     fs, path = split(url)
     try:
-        entries = fs.ls(path, detail=False, refresh=True)
+        entries = with_retries(f"list {url}", lambda: fs.ls(path, detail=False, refresh=True))
     except FileNotFoundError:
         return []
     return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
@@ -172,7 +172,7 @@ def glob(url_pattern: str) -> list[str]:
     """URLs matching a glob pattern, sorted, with the pattern's protocol kept."""
     fs, path = split(url_pattern)
     protocol = url_pattern.split("://", 1)[0] if "://" in url_pattern else ""
-    found = sorted(fs.glob(path))
+    found = sorted(with_retries(f"glob {url_pattern}", lambda: fs.glob(path)))
     if protocol == "":
         return found
     if protocol == "file":
@@ -195,7 +195,7 @@ def makedirs(url: str) -> None:
 
 def size(url: str) -> int:
     fs, path = split(url)
-    return int(fs.size(path))
+    return int(with_retries(f"stat {url}", lambda: fs.size(path)))
 
 
 def open_file(url: str, mode: str = "rb", **kwargs: Any) -> Any:

@@ -186,16 +186,23 @@ def _train(config: JobConfig, ledger: Ledger, preemption: Preemption) -> int:
             if config.checkpoint.mode != "off" and step > start_step:  # else: anchored already
                 checkpointer.save(step, snapshot, anchor=True)
             checkpointer.close()
+            anchor_failed = step in checkpointer.failed_steps
             if env.is_main:
                 log.info("final holdout %s (loader %s)", _fmt(stats.last_eval), loader.stats)
                 summary = {"step": step, **stats.last_eval, **loader.stats}
-                storage.write_text(
-                    storage.join(config.job_url, "final_metrics.json"),
-                    json.dumps(summary, indent=2),
-                )
+                metrics_url = storage.join(config.job_url, "final_metrics.json")
+                try:
+                    storage.write_text(metrics_url, json.dumps(summary, indent=2))
+                except OSError as exc:  # a summary: never worth failing the job over
+                    log.error("could not write %s: %s", metrics_url, exc)
             dist.barrier()
     finally:
         checkpointer.close()
+    if anchor_failed:  # the model of this job is not saved: let the orchestrator retry
+        log.error("the anchor checkpoint at step %d did not commit; exiting %d so the attempt "
+                  "is retried from the newest committed checkpoint", step,
+                  exit_codes.ANCHOR_NOT_SAVED)
+        return exit_codes.ANCHOR_NOT_SAVED
     ledger.mark("job_end", step=step)
     return exit_codes.SUCCESS
 

@@ -36,6 +36,7 @@ FAKE = str(Path(__file__).with_name("fake_trainer.py"))
         (-15, [], False, t.CRASH),
         (1, [exit_codes.BAD_CONFIG], False, t.BAD_CONFIG),
         (exit_codes.CHECKPOINT_INCOMPATIBLE, [], False, t.INCOMPATIBLE),
+        (1, [exit_codes.ANCHOR_NOT_SAVED], False, t.CRASH),  # retried from the newest commit
         (-15, [], True, t.HANG),  # killed by us for lack of progress
     ],
 )

@@ -45,3 +45,27 @@ def test_retries_then_names_the_operation() -> None:
         )
     with pytest.raises(FileNotFoundError):
         storage.with_retries("read", lambda: (_ for _ in ()).throw(FileNotFoundError("x")))
+
+
+def test_metadata_calls_ride_out_a_blip(monkeypatch) -> None:
+    """The checkpoint commit polls exists/glob; one dropped connection must not fail it."""
+    storage.write_text("memory://blip/a/_done.rank000.json", "{}")
+    fs, _ = storage.split("memory://blip")
+    calls = {"exists": 0, "glob": 0}
+
+    def flaky(name: str, real):  # noqa: ANN001, ANN202 - wraps an fsspec method
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            calls[name] += 1
+            if calls[name] == 1:
+                raise ConnectionResetError("connection reset by peer")
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(fs, "exists", flaky("exists", fs.exists))
+    monkeypatch.setattr(fs, "glob", flaky("glob", fs.glob))
+    monkeypatch.setattr(storage, "_retry", {"retries": 2, "backoff_s": 0.001})
+    assert storage.exists("memory://blip/a/_done.rank000.json")
+    assert storage.glob("memory://blip/a/_done.rank*.json") == [
+        "memory://blip/a/_done.rank000.json"
+    ]
+    assert calls == {"exists": 2, "glob": 2}

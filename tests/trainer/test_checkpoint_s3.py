@@ -241,3 +241,38 @@ def test_storage_outage_fails_checkpoints_loudly_and_training_goes_on(
     assert [e.step for e in events if e.name == "anchor_committed"] == [steps]
     assert check_committed(config, world_size=1)[0] == steps
     print(f"outage {outage_s:.2f} s; failed checkpoints {[e.step for e in failed]}")
+
+
+def test_an_outage_through_the_end_fails_the_attempt_so_it_is_retried(
+    tmp_path: Path, data_url: str, s3_server: str
+) -> None:
+    """Training finished but the anchor could not be saved: the attempt must not pass for a
+    success (nothing would publish, the model would be lost); it exits ANCHOR_NOT_SAVED, which
+    the flow retries from the newest committed checkpoint."""
+    port = urllib.parse.urlsplit(s3_server).port
+    assert port is not None
+    proxy = TcpProxy(("127.0.0.1", port)).start()
+    steps = 30
+    config = s3_config(
+        tmp_path, data_url, proxy.url, steps=steps,
+        storage={"retries": 1, "retry_backoff_s": 0.1},
+    )  # fmt: skip
+    env = {"AWS_ENDPOINT_URL_S3": proxy.url, "AWS_MAX_ATTEMPTS": "1"}
+    storage.configure(None)
+    attempt = Attempt(config, tmp_path, env)
+    try:
+        first = wait_for_first_commit(config, attempt, timeout_s=240)
+        with proxy.outage():
+            code = attempt.proc.wait(timeout=300)
+        assert proxy.refused > 0, "the outage refused no connection"
+    finally:
+        attempt.stop()
+        proxy.close()
+    assert code != exit_codes.SUCCESS, attempt.tail()
+    worker_codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", attempt.tail(200))]
+    assert set(worker_codes) == {exit_codes.ANCHOR_NOT_SAVED}, attempt.tail()
+    assert f"anchor checkpoint at step {steps} did not commit" in attempt.tail(200)
+    latest = committed_checkpoints(config.job_url)[0]
+    assert first <= latest.step < steps and not latest.manifest.anchor
+    final = storage.join(checkpoints_url(config.job_url), step_dir_name(steps))
+    assert not storage.exists(storage.join(final, MANIFEST))

@@ -118,6 +118,7 @@ class Checkpointer:
         self.spool = tempfile.mkdtemp(prefix=f"{_spool_prefix(config.job_id, rank)}{os.getpid()}-")
         self._stager: ShardedStateStager | None = None
         self._inflight: InFlight | None = None
+        self.failed_steps: list[int] = []  # checkpoints this rank saw fail
         # The config never changes: render its YAML once, not in every save's blocking time
         # (yaml's pure-Python emitter takes 10-30 ms, as long as staging 64 MB).
         rendered = os.path.join(self.spool, "config.yaml")
@@ -261,6 +262,7 @@ class Checkpointer:
                 self._commit(step, url, anchor)
         except BaseException as exc:  # noqa: BLE001 - reported, never kills training
             error.append(exc)
+            self.failed_steps.append(step)
             log.error("checkpoint at step %d failed, previous one stays the latest: %s", step, exc)
             self.ledger.mark("checkpoint_failed", step=step, error=str(exc)[:500])
             # Tell rank 0 not to wait for this rank (may fail too, in an outage).
