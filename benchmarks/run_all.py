@@ -16,6 +16,7 @@ BENCHMARKS = [
     "bench_checkpoint.py",
     "bench_startup.py",
     "bench_attention.py",
+    "bench_towers.py",
     "bench_publish.py",
     "bench_recovery.py",
 ]

@@ -84,8 +84,10 @@ class RankingModel(nn.Module):
             )
         )
         self.sparse_arch = EmbeddingBagCollection(tables=tables, device=device)
-        self.history_tower = build_history_tower(data, config, device)
         self.interaction = DenseInteraction(data.num_dense, len(tables) + 1, config)
+        # Built last, so the choice of tower leaves the initial weights of the rest of the
+        # model unchanged and towers can be compared seed for seed.
+        self.history_tower = build_history_tower(data, config, device)
         self._sparse_keys = [t.feature_names[0] for t in tables]
 
     def forward(
