@@ -28,7 +28,11 @@ def tiny_config(tmp_path: Path, **sections: Any) -> JobConfig:
             "generator": {"rows": 4000, "holdout_rows": 1000, "shards": 4, "mean_history_len": 6},
         },
         "model": {"embedding_dim": 8, "dense_arch": [16, 8], "over_arch": [16, 8]},
-        "train": {"steps": 20, "eval_every": 0, "eval_rows": 512, "log_every": 5},
+        # Eager: each test has its own storage root, so compiling would start cold in every
+        # trainer process (~50 s); tests/trainer/test_startup.py and test_compile_cache.py
+        # cover the compiled default.
+        "train": {"steps": 20, "eval_every": 0, "eval_rows": 512, "log_every": 5,
+                  "compile": False},
         "checkpoint": {"mode": "async_staged", "every_steps": 5, "keep_latest_k": 3},
         "tracking": {"mlflow_uri": f"sqlite:///{tmp_path}/mlflow.db"},
     }
