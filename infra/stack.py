@@ -338,8 +338,11 @@ def stop(pids: list[int], grace_s: float = 15.0) -> None:
             time.sleep(0.1)
         if not any(group_alive(p) for p in pids):
             break
-    for pgid in pids:
-        _children.pop(pgid, None)
+    for pgid in pids:  # reap our own children: a leader that died after group_alive's
+        proc = _children.pop(pgid, None)  # last poll would otherwise stay a zombie
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5.0)
 
 
 def _stack_file(state_dir: str | Path) -> Path:
