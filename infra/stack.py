@@ -43,6 +43,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infra import processes
+
 SERVICES = ("s3", "mlflow", "prefect")
 DEFAULT_STATE_DIR = ".stack"
 DEFAULT_BUCKET = "ett"
@@ -289,33 +291,14 @@ def start(
 
 
 def _group_cmdlines(pgid: int) -> list[str] | None:
-    """Command lines of the live (non-zombie) processes in group ``pgid``; None without /proc."""
     _exit_code(pgid)  # reap our own child so it does not linger as a zombie
-    if not Path("/proc").is_dir():
-        return None
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if fields[0] != "Z" and int(fields[2]) == pgid:
-                out.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
+    return processes.group_cmdlines(pgid)
 
 
 def group_alive(pgid: int) -> bool:
     """Whether any non-zombie process is left in process group ``pgid``."""
-    cmdlines = _group_cmdlines(pgid)
-    if cmdlines is not None:
-        return bool(cmdlines)
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    _exit_code(pgid)
+    return processes.group_alive(pgid)
 
 
 def is_running(service: Service) -> bool:

@@ -35,7 +35,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import MissingContextError
 
-from infra import exit_codes, storage
+from infra import exit_codes, processes, storage
 from infra.ledger import Event, Ledger, ledger_url, read_events
 from infra.settings import JobConfig, dump_config, load_config
 from tasks.launch import run_attempt
@@ -193,13 +193,7 @@ def _alive(pgid: int) -> bool:
     """Whether anything is left of the process group (its exited leader is reaped first)."""
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pgid, os.WNOHANG)
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return processes.group_alive(pgid)
 
 
 def _attempt_events(job_url: str, attempt: int) -> list[Event]:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import StagingOptions
 
-from infra import storage
+from infra import processes, storage
 from infra.ledger import Ledger
 from infra.settings import JobConfig, dump_config
 from trainer.checkpoint.manifest import (
@@ -68,16 +68,6 @@ def _spool_prefix(job_id: str, rank: int) -> str:
     return f"ett-ckpt-{job_id}-r{rank}-p"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_spools(job_id: str, rank: int) -> list[str]:
     """Delete the local spools that killed attempts of this job and rank left behind (a
     SIGKILL mid-upload leaves a whole checkpoint in the temp folder). A spool is named with
@@ -85,8 +75,10 @@ def remove_stale_spools(job_id: str, rank: int) -> list[str]:
     prefix = _spool_prefix(job_id, rank)
     removed = []
     for entry in os.scandir(tempfile.gettempdir()):
+        if not entry.name.startswith(prefix):
+            continue
         pid_part = entry.name[len(prefix):].split("-", 1)[0]
-        if entry.name.startswith(prefix) and pid_part.isdigit() and not _pid_alive(int(pid_part)):
+        if pid_part.isdigit() and not processes.pid_alive(int(pid_part)):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.path)
     if removed:
