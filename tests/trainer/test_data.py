@@ -103,6 +103,9 @@ def test_bayes_auc_is_sane_and_history_carries_signal(tmp_path):
     assert 0.75 <= meta["bayes_auc"] <= 0.86
     # Without the history/item term the truth ranks clearly worse: the history matters.
     assert meta["auc_without_history_term"] < meta["bayes_auc"] - 0.04
+    # Order matters too: a plain mean of the history loses part of that signal.
+    assert (meta["auc_without_history_term"] < meta["auc_uniform_history_mean"]
+            < meta["bayes_auc"] - 0.01)
     assert 0.3 < meta["bayes_logloss"] < 0.65
     assert 0.1 < meta["holdout_positive_rate"] < 0.45
 
