@@ -76,14 +76,16 @@ def segment_weighted_mean(
 
 
 class AttentionHistoryTower(nn.Module):
-    """Mean of the history's item embeddings plus a learned jagged self-attention branch.
+    """Item embeddings plus a learned jagged self-attention branch, pooled by a weighted mean.
 
     The attention branch reads item + recency embeddings and adds its output to each item
-    embedding before the mean. Its output projection starts at zero, so the tower starts as
-    the pooling tower and attention only adds what it learns (the zero-initialised residual
-    of ReZero / GPT-style blocks); with a normalised residual instead, it trailed the
-    pooling tower on the demo data. Attention runs on the jagged values directly (no
-    padding): Triton on GPU, a bucketed CPU path otherwise (trainer/attention).
+    embedding; position-aware scores then weigh the items (a softmax per sequence), so the
+    tower can learn that recent items matter more. The branch's output projection and the
+    scores start at zero, so the tower starts as the pooling tower (a plain mean) and
+    attention only adds what it learns (the zero-initialised residual of ReZero / GPT-style
+    blocks); with a normalised residual and a plain mean instead, it trailed the pooling
+    tower on the demo data. Attention runs on the jagged values directly (no padding):
+    Triton on GPU, a bucketed CPU path otherwise (trainer/attention).
     """
 
     def __init__(self, data: DataConfig, config: ModelConfig, device: torch.device | None):
