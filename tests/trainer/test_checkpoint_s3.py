@@ -187,23 +187,31 @@ def wait_for_first_commit(config: JobConfig, attempt: Attempt, timeout_s: float)
     raise AssertionError(f"no checkpoint committed in {timeout_s} s:\n{attempt.tail()}")
 
 
-def test_storage_outage_fails_checkpoints_loudly_and_training_goes_on(
-    tmp_path: Path, data_url: str, s3_server: str
-) -> None:
+def start_behind_proxy(
+    tmp_path: Path, data_url: str, s3_server: str, steps: int, **sections: Any
+) -> tuple[TcpProxy, JobConfig, Attempt]:
+    """A trainer attempt that reaches S3 through a TCP proxy the test can cut. It has a small
+    retry budget (2 tries, 0.1 s apart); botocore's own retries are switched off
+    (AWS_MAX_ATTEMPTS=1) so that budget is the whole budget."""
     port = urllib.parse.urlsplit(s3_server).port
     assert port is not None
     proxy = TcpProxy(("127.0.0.1", port)).start()
-    steps = 80
-    # A small retry budget (2 tries, 0.1 s apart); botocore's own retries are switched off
-    # (AWS_MAX_ATTEMPTS=1) so that budget is the whole budget.
     config = s3_config(
         tmp_path, data_url, proxy.url, steps=steps,
-        storage={"retries": 1, "retry_backoff_s": 0.1},
-        checkpoint={"keep_latest_k": 2},
+        storage={"retries": 1, "retry_backoff_s": 0.1}, **sections,
     )  # fmt: skip
     env = {"AWS_ENDPOINT_URL_S3": proxy.url, "AWS_MAX_ATTEMPTS": "1"}
     storage.configure(None)  # this process reads S3 directly (s3_server's environment)
-    attempt = Attempt(config, tmp_path, env)
+    return proxy, config, Attempt(config, tmp_path, env)
+
+
+def test_storage_outage_fails_checkpoints_loudly_and_training_goes_on(
+    tmp_path: Path, data_url: str, s3_server: str
+) -> None:
+    steps = 80
+    proxy, config, attempt = start_behind_proxy(
+        tmp_path, data_url, s3_server, steps, checkpoint={"keep_latest_k": 2}
+    )
     try:
         first = wait_for_first_commit(config, attempt, timeout_s=240)
         with proxy.outage():
@@ -249,17 +257,8 @@ def test_an_outage_through_the_end_fails_the_attempt_so_it_is_retried(
     """Training finished but the anchor could not be saved: the attempt must not pass for a
     success (nothing would publish, the model would be lost); it exits ANCHOR_NOT_SAVED, which
     the flow retries from the newest committed checkpoint."""
-    port = urllib.parse.urlsplit(s3_server).port
-    assert port is not None
-    proxy = TcpProxy(("127.0.0.1", port)).start()
     steps = 30
-    config = s3_config(
-        tmp_path, data_url, proxy.url, steps=steps,
-        storage={"retries": 1, "retry_backoff_s": 0.1},
-    )  # fmt: skip
-    env = {"AWS_ENDPOINT_URL_S3": proxy.url, "AWS_MAX_ATTEMPTS": "1"}
-    storage.configure(None)
-    attempt = Attempt(config, tmp_path, env)
+    proxy, config, attempt = start_behind_proxy(tmp_path, data_url, s3_server, steps)
     try:
         first = wait_for_first_commit(config, attempt, timeout_s=240)
         with proxy.outage():
