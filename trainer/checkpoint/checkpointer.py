@@ -3,9 +3,11 @@
 Modes (``checkpoint.mode``):
   sync          dcp.save: the loop waits for the whole write (the baseline).
   async         dcp.async_save with synchronous staging: waits for the copy, not the write.
-  async_staged  dcp.async_save with PyTorch's DefaultStager: the copy to CPU memory runs in
-                the background too (pinned + shared memory and non-blocking copies on GPU);
-                the loop waits for it only before the next step changes the weights.
+  async_staged  PyTorch's DefaultStager copies the state to CPU memory in the background
+                (pinned + shared memory and non-blocking copies on GPU); the loop waits for
+                it only before the next step changes the weights; then dcp.save writes the
+                staged copy on a commit thread (see ``Checkpointer.save`` for why not
+                dcp.async_save).
 
 Every checkpoint is written by DCP into a local folder (the final folder on local storage,
 a spool folder for object stores), then, off the training thread, uploaded file by file
@@ -25,7 +27,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +49,7 @@ from trainer.checkpoint.manifest import (
     step_dir_name,
 )
 from trainer.checkpoint.retention import purge_old
-from trainer.checkpoint.staging import ShardedStateStager
+from trainer.checkpoint.staging import ShardedStateStager, Staging
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +60,9 @@ COMMIT_TIMEOUT_S = 600.0
 class InFlight:
     step: int
     anchor: bool
-    staged: Future[Any] | None  # None once staging is known complete
-    thread: threading.Thread
+    staging: Staging | None  # async_staged: the copy, until it is known complete
+    thread: threading.Thread  # finishes and commits it; async_staged: started once copied
     error: list[BaseException]
-
 
 
 def _spool_prefix(job_id: str, rank: int) -> str:
@@ -77,7 +78,7 @@ def remove_stale_spools(job_id: str, rank: int) -> list[str]:
     for entry in os.scandir(tempfile.gettempdir()):
         if not entry.name.startswith(prefix):
             continue
-        pid_part = entry.name[len(prefix):].split("-", 1)[0]
+        pid_part = entry.name[len(prefix) :].split("-", 1)[0]
         if pid_part.isdigit() and not processes.pid_alive(int(pid_part)):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.path)
@@ -140,6 +141,22 @@ class Checkpointer:
         os.makedirs(path, exist_ok=True)
         return path
 
+    def _prepare(self, step: int, extra: dict[str, Any]) -> dcp.FileSystemWriter:
+        """The step's local folder with this rank's JSON state (rank 0: the config too), and
+        the DCP writer into it."""
+        local_dir = self._local_dir(step)
+        with open(os.path.join(local_dir, f"trainer_state.rank{self.rank:03d}.json"), "w") as fh:
+            json.dump({"step": step, **extra}, fh)
+        if self.rank == 0:
+            with open(os.path.join(local_dir, "config.yaml"), "w") as fh:
+                fh.write(self._config_yaml)
+        return dcp.FileSystemWriter(local_dir, thread_count=2)
+
+    def _stager_for_mode(self) -> ShardedStateStager:
+        if self._stager is None:
+            self._stager = self._make_stager()
+        return self._stager
+
     def save(
         self,
         step: int,
@@ -154,56 +171,75 @@ class Checkpointer:
         Blocks only for what the mode must: the previous checkpoint if still in flight, and
         the staging copy (sync mode: the whole write). ``anchor`` and ``blocking`` force a
         synchronous save that has committed when this returns.
+
+        ``async_staged`` starts the copy first and returns: everything else (the JSON state,
+        the DCP plan and write, the upload) runs on a writer thread started once the copy is
+        done (``wait_until_staged``). On a small CPU host, anything started while the copy
+        runs competes with it for the cores: a thread started mid-copy took ~3 ms to get
+        scheduled, a third of a 64 MB copy. That is why this path calls ``dcp.save`` on its
+        own thread instead of ``dcp.async_save``, which starts its thread mid-copy.
         """
         mode = "sync" if anchor or blocking else self.config.checkpoint.mode
         with self.ledger.span("checkpoint_blocking", step=step, mode=mode) as attrs:
             waited = self.wait_for_inflight()
             attrs["waited_for_previous_s"] = round(waited, 6)
             state, extra = snapshot()
-            local_dir = self._local_dir(step)
-            with open(
-                os.path.join(local_dir, f"trainer_state.rank{self.rank:03d}.json"), "w"
-            ) as fh:
-                json.dump({"step": step, **extra}, fh)
-            if self.rank == 0:
-                with open(os.path.join(local_dir, "config.yaml"), "w") as fh:
-                    fh.write(self._config_yaml)
-            writer = dcp.FileSystemWriter(local_dir, thread_count=2)
-            staged: Future[Any] | None = None
-            upload: Future[Any] | None = None
+            error: list[BaseException] = []
+            if mode == "async_staged":
+                staging = self._stager_for_mode().begin(state)
+
+                def write_staged() -> None:
+                    writer = self._prepare(step, extra)
+                    dcp.save(staging.state_dict(), storage_writer=writer, process_group=self.pg)
+
+                thread = self._commit_thread(step, anchor, error, write_staged)
+                self._inflight = InFlight(step, anchor, staging, thread, error)
+                return  # the thread starts in wait_until_staged, once the copy is done
+            writer = self._prepare(step, extra)
             if mode == "sync":
                 dcp.save(state, storage_writer=writer, process_group=self.pg)
-            else:
-                if self._stager is None:
-                    self._stager = self._make_stager()
-                result = dcp.async_save(
-                    state, storage_writer=writer, process_group=self.pg, async_stager=self._stager
-                )
-                if isinstance(result, Future):  # "async": staged before async_save returned
-                    upload = result
-                else:  # "async_staged": the copy runs in the background
-                    staged, upload = result.staging_completion, result.upload_completion
-            self.on_phase("staged", step)
-            error: list[BaseException] = []
-            thread = threading.Thread(
-                target=self._finish,
-                args=(step, local_dir, upload, anchor, error),
-                name=f"ckpt-commit-{step}",
-                daemon=True,
+                self.on_phase("staged", step)
+                self._finish(step, anchor, error)
+                return
+            # "async": DCP stages on this thread, then writes on its own.
+            upload = dcp.async_save(
+                state,
+                storage_writer=writer,
+                process_group=self.pg,
+                async_stager=self._stager_for_mode(),
             )
+            self.on_phase("staged", step)
+            thread = self._commit_thread(step, anchor, error, upload.result)
             thread.start()
-            self._inflight = InFlight(step, anchor, staged, thread, error)
-            if mode == "sync":
-                self.wait_for_inflight()
+            self._inflight = InFlight(step, anchor, None, thread, error)
+
+    def _commit_thread(
+        self, step: int, anchor: bool, error: list[BaseException], write: Callable[[], Any]
+    ) -> threading.Thread:
+        return threading.Thread(
+            target=self._finish,
+            args=(step, anchor, error, write),
+            name=f"ckpt-commit-{step}",
+            daemon=True,
+        )
+
+    def _release_staged(self, inflight: InFlight) -> None:
+        """Once the staging copy is done, start the writer thread (a failed copy included:
+        the thread reports it as a failed checkpoint)."""
+        if inflight.staging is None:
+            return
+        wait([inflight.staging.copied])
+        inflight.staging = None
+        self.on_phase("staged", inflight.step)
+        inflight.thread.start()
 
     def wait_until_staged(self) -> None:
         """Before the weights change again (next step), the staging copy must be complete."""
         inflight = self._inflight
-        if inflight is None or inflight.staged is None:
+        if inflight is None or inflight.staging is None:
             return
         with self.ledger.span("checkpoint_blocking", step=inflight.step, phase="staging"):
-            inflight.staged.result()
-        inflight.staged = None
+            self._release_staged(inflight)
 
     def wait_for_inflight(self, timeout_s: float | None = None) -> float:
         """Wait for the in-flight checkpoint to commit (or fail); returns seconds waited."""
@@ -211,8 +247,7 @@ class Checkpointer:
         if inflight is None:
             return 0.0
         start = time.perf_counter()
-        if inflight.staged is not None:
-            inflight.staged.result()
+        self._release_staged(inflight)
         inflight.thread.join(timeout_s)
         if inflight.thread.is_alive():
             raise TimeoutError(f"checkpoint at step {inflight.step} still uploading")
@@ -221,7 +256,7 @@ class Checkpointer:
 
     def abandon_inflight(self) -> None:
         """Stop waiting for the in-flight checkpoint (its thread may still commit it later;
-        a newer checkpoint supersedes it either way)."""
+        a newer checkpoint supersedes it either way; one still staging is never written)."""
         if self._inflight is not None:
             log.warning("abandoning the in-flight checkpoint of step %d", self._inflight.step)
         self._inflight = None
@@ -229,16 +264,17 @@ class Checkpointer:
     def _finish(
         self,
         step: int,
-        local_dir: str,
-        upload: Future[Any] | None,
         anchor: bool,
         error: list[BaseException],
+        write: Callable[[], Any] | None = None,
     ) -> None:
-        """Background: finish the DCP write, upload, mark this rank done, commit (rank 0)."""
+        """Finish the DCP write (``write``), upload, mark this rank done, commit (rank 0).
+        Runs on the commit thread, except in sync mode."""
         url = storage.join(self.root, step_dir_name(step))
+        local_dir = self._local_dir(step)
         try:
-            if upload is not None:
-                upload.result()
+            if write is not None:
+                write()
             self.on_phase("written", step)
             files = self._my_files(local_dir)
             entries = {name: FileEntry(os.path.getsize(p), sha256_file(p)) for name, p in files}

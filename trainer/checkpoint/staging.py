@@ -48,6 +48,19 @@ def _join(staged: Any, original: Any, sharded: dict[int, ShardedTensor]) -> Any:
     return staged
 
 
+class Staging:
+    """One staging copy. ``copied`` completes once the copy is done, so the weights may
+    change again; ``state_dict()`` then gives the staged state with its ShardedTensors
+    rebuilt. Rebuilding is left to whoever writes the checkpoint, off the training thread."""
+
+    def __init__(self, copied: Future[Any], plain: Any, sharded: dict[int, ShardedTensor]):
+        self.copied = copied
+        self._plain, self._sharded = plain, sharded
+
+    def state_dict(self) -> dict[str, Any]:
+        return _join(self.copied.result(), self._plain, self._sharded)
+
+
 class ShardedStateStager(AsyncStager):
     """A DefaultStager that also stages ShardedTensors (see the module docstring)."""
 
@@ -58,22 +71,20 @@ class ShardedStateStager(AsyncStager):
     def should_synchronize_after_execute(self) -> bool:
         return self._inner.should_synchronize_after_execute
 
-    def stage(self, state_dict: dict[str, Any], **kwargs: Any) -> Any:
+    def begin(self, state_dict: dict[str, Any]) -> Staging:
+        """Start copying ``state_dict``: in the background with async staging, else now."""
         sharded: dict[int, ShardedTensor] = {}
         plain = _split(state_dict, sharded)
-        staged = self._inner.stage(plain, **kwargs)
+        staged = self._inner.stage(plain)
         if not isinstance(staged, Future):
-            return _join(staged, plain, sharded)
-        rebuilt: Future[dict[str, Any]] = Future()
+            done: Future[Any] = Future()
+            done.set_result(staged)
+            staged = done
+        return Staging(staged, plain, sharded)
 
-        def on_staged(done: Future[Any]) -> None:
-            try:
-                rebuilt.set_result(_join(done.result(), plain, sharded))
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-                rebuilt.set_exception(exc)
-
-        staged.add_done_callback(on_staged)
-        return rebuilt
+    def stage(self, state_dict: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        """The AsyncStager interface (``dcp.async_save``): the staged state, once copied."""
+        return self.begin(state_dict).state_dict()
 
     def synchronize_staging(self) -> None:
         self._inner.synchronize_staging()

@@ -1,0 +1,169 @@
+"""The Checkpointer driven directly, as the training loop drives it, in one gloo process.
+
+What matters for every mode: the checkpoint holds the state of the step it was taken at,
+even though the loop changes the weights as soon as ``save`` (sync, async) or
+``wait_until_staged`` (async_staged) returns.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import (
+    Shard,
+    ShardedTensor,
+    ShardMetadata,
+    init_from_local_shards,
+)
+
+from infra import stack, storage
+from infra.ledger import Ledger, read_events
+from infra.settings import JobConfig, load_config
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.manifest import committed_checkpoints, step_dir_name
+
+ROWS, DIM = 64, 8
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[dist.ProcessGroup]:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(stack.free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield dist.new_group(backend="gloo")
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded(tensor: torch.Tensor, pg: dist.ProcessGroup) -> ShardedTensor:
+    meta = ShardMetadata([0, 0], list(tensor.shape), "rank:0/cpu")
+    return init_from_local_shards([Shard(tensor, meta)], list(tensor.shape), process_group=pg)
+
+
+def _state(pg: dist.ProcessGroup, fill: float) -> dict[str, Any]:
+    """A dense weight and a TorchRec-style sharded table, both filled with ``fill``."""
+    return {
+        "model": {
+            "dense.weight": torch.full((ROWS, DIM), fill),
+            "table.weight": _sharded(torch.full((ROWS, DIM), fill), pg),
+        }
+    }
+
+
+def _fill(state: dict[str, Any], value: float) -> None:
+    """What the next optimizer step does: change the live weights in place."""
+    state["model"]["dense.weight"].fill_(value)
+    state["model"]["table.weight"].local_shards()[0].tensor.fill_(value)
+
+
+def _load(url: str, pg: dist.ProcessGroup) -> dict[str, Any]:
+    into = _state(pg, float("nan"))
+    dcp.load(into, checkpoint_id=storage.local_path(url), process_group=pg)
+    return into
+
+
+def _config(tmp_path, mode: str) -> JobConfig:
+    return load_config(
+        job_id=f"direct-{mode}",
+        storage={"root": f"file://{tmp_path}/store"},
+        checkpoint={"mode": mode, "every_steps": 1, "keep_latest_k": 2},
+    )
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "async_staged"])
+def test_checkpoint_holds_the_weights_of_its_step_though_the_loop_moves_on(
+    tmp_path, group: dist.ProcessGroup, mode: str
+) -> None:
+    config = _config(tmp_path, mode)
+    storage.configure(config.storage)
+    ledger = Ledger(f"file://{tmp_path}/ledger")
+    ckpt = Checkpointer(config, rank=0, world_size=1, ledger=ledger, process_group=group)
+    state = _state(group, 0.0)
+    try:
+        for step in (1, 2, 3):
+            _fill(state, float(step))
+            extra = {"loader": {"shard_pos": step}}
+            ckpt.save(step, lambda extra=extra: (state, extra))
+            ckpt.wait_until_staged()
+            _fill(state, -1.0)  # the next step overwrites the weights at once
+        ckpt.wait_for_inflight()
+    finally:
+        ckpt.close()
+        ledger.close()
+    committed = committed_checkpoints(config.job_url)
+    assert [c.step for c in committed] == [3, 2]  # keep_latest_k=2
+    loaded = _load(committed[0].url, group)
+    assert torch.equal(loaded["model"]["dense.weight"], torch.full((ROWS, DIM), 3.0))
+    table = loaded["model"]["table.weight"].local_shards()[0].tensor
+    assert torch.equal(table, torch.full((ROWS, DIM), 3.0))
+    trainer_state = storage.read_text(storage.join(committed[0].url, "trainer_state.rank000.json"))
+    assert '"shard_pos": 3' in trainer_state
+    events = read_events(f"file://{tmp_path}/ledger")
+    assert {e.step for e in events if e.name == "checkpoint_blocking"} == {1, 2, 3}
+
+
+def test_async_staged_writes_nothing_until_the_copy_is_released(
+    tmp_path, group: dist.ProcessGroup
+) -> None:
+    """The writer starts only once the loop has its copy: nothing competes with the copy
+    for the cores, and nothing is written before the loop may move on."""
+    config = _config(tmp_path, "async_staged")
+    storage.configure(config.storage)
+    ledger = Ledger(f"file://{tmp_path}/ledger")
+    ckpt = Checkpointer(config, rank=0, world_size=1, ledger=ledger, process_group=group)
+    state = _state(group, 7.0)
+    step_dir = os.path.join(str(tmp_path), "store", "jobs")
+    try:
+        ckpt.save(1, lambda: (state, {"loader": {}}))
+        inflight = ckpt._inflight
+        assert inflight is not None and not inflight.thread.is_alive()
+        assert not any(step_dir_name(1) in root for root, _, _ in os.walk(step_dir))
+        ckpt.wait_until_staged()
+        ckpt.wait_for_inflight()
+    finally:
+        ckpt.close()
+        ledger.close()
+    assert [c.step for c in committed_checkpoints(config.job_url)] == [1]
+
+
+def test_a_failed_staging_copy_fails_that_checkpoint_not_training(
+    tmp_path, group: dist.ProcessGroup
+) -> None:
+    config = _config(tmp_path, "async_staged")
+    storage.configure(config.storage)
+    ledger = Ledger(f"file://{tmp_path}/ledger")
+    ckpt = Checkpointer(config, rank=0, world_size=1, ledger=ledger, process_group=group)
+    state = _state(group, 1.0)
+    try:
+        ckpt.save(1, lambda: (state, {"loader": {}}))
+        ckpt.wait_for_inflight()
+        stager = ckpt._stager
+        assert stager is not None
+        begin = stager.begin
+
+        def broken_copy(state_dict: dict[str, Any]) -> Any:
+            staging = begin(state_dict)
+            staging.copied.result()
+            failed = type(staging.copied)()
+            failed.set_exception(MemoryError("staging buffer allocation failed"))
+            staging.copied = failed
+            return staging
+
+        stager.begin = broken_copy  # type: ignore[method-assign]
+        ckpt.save(2, lambda: (state, {"loader": {}}))
+        ckpt.wait_until_staged()  # does not raise: the loop goes on
+        ckpt.wait_for_inflight()
+    finally:
+        ckpt.close()
+        ledger.close()
+    assert ckpt.failed_steps == [2]
+    assert [c.step for c in committed_checkpoints(config.job_url)] == [1]
+    marks = [e for e in read_events(f"file://{tmp_path}/ledger") if e.name == "checkpoint_failed"]
+    assert [m.step for m in marks] == [2] and "staging buffer" in marks[0].attrs["error"]
