@@ -152,7 +152,8 @@ class Checkpointer:
                 fh.write(self._config_yaml)
         return dcp.FileSystemWriter(local_dir, thread_count=2)
 
-    def _stager_for_mode(self) -> ShardedStateStager:
+    def _get_stager(self) -> ShardedStateStager:
+        """Made at the first async save, then kept: its staging buffers are reused."""
         if self._stager is None:
             self._stager = self._make_stager()
         return self._stager
@@ -186,7 +187,7 @@ class Checkpointer:
             state, extra = snapshot()
             error: list[BaseException] = []
             if mode == "async_staged":
-                staging = self._stager_for_mode().begin(state)
+                staging = self._get_stager().begin(state)
 
                 def write_staged() -> None:
                     writer = self._prepare(step, extra)
@@ -206,7 +207,7 @@ class Checkpointer:
                 state,
                 storage_writer=writer,
                 process_group=self.pg,
-                async_stager=self._stager_for_mode(),
+                async_stager=self._get_stager(),
             )
             self.on_phase("staged", step)
             thread = self._commit_thread(step, anchor, error, upload.result)
