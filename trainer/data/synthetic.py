@@ -196,7 +196,7 @@ def _plant(data: DataConfig) -> _Planted:
 
 def _sample(
     planted: _Planted, data: DataConfig, rng: np.random.Generator, n: int
-) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
     """n rows: (columns, true logit, the history/item term of the logit, and that term with
     the recency weights replaced by a plain mean: what mean pooling can express)."""
     gen = data.generator
@@ -271,7 +271,7 @@ def _sample(
 
 def _write_shard(
     url: str, planted: _Planted, data: DataConfig, rng: np.random.Generator, rows: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Generate and write one shard; returns (labels, logits, interaction, uniform-mean
     interaction, history lengths)."""
     sink = pa.BufferOutputStream()
