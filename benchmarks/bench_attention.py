@@ -183,8 +183,15 @@ def bench_gpu(args) -> list[dict]:
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t)
             peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-            rows.append({"path": impl, "causal": causal, "device": "cuda bf16",
-                         "wall_ms": 1e3 * statistics.median(times), "peak_mib": peak})  # fmt: skip
+            rows.append(
+                {
+                    "path": impl,
+                    "causal": causal,
+                    "device": "cuda bf16",
+                    "wall_ms": 1e3 * statistics.median(times),
+                    "peak_mib": peak,
+                }
+            )
     return rows
 
 
@@ -264,9 +271,14 @@ def main(argv=None) -> None:
             mem = measure_memory(args, impl, causal)
             peak = None if mem is None else mem["peak_mib"]
             rows.append(
-                {"path": impl, "causal": causal, "device": "cpu fp32", **timing[(impl, causal)],
-                 "peak_mib": peak}
-            )  # fmt: skip
+                {
+                    "path": impl,
+                    "causal": causal,
+                    "device": "cpu fp32",
+                    **timing[(impl, causal)],
+                    "peak_mib": peak,
+                }
+            )
     load = (load_before, os.getloadavg())
     ratios = {}
     for causal in (False, True):

@@ -181,8 +181,11 @@ def bench_mode(
         ledger.close()
         with contextlib.suppress(OSError):
             storage.remove(config.job_url, recursive=True)
-    failed = [e for e in read_events(f"file://{scratch}/ledgers/{job_id}")
-              if e.name == "checkpoint_failed"]  # fmt: skip
+    failed = [
+        e
+        for e in read_events(f"file://{scratch}/ledgers/{job_id}")
+        if e.name == "checkpoint_failed"
+    ]
     if failed:
         raise RuntimeError(f"{mode}: checkpoints failed: {failed}")
     return blocking[0], blocking[1:], commit[1:], raw[1:]
@@ -230,16 +233,26 @@ def run(args: argparse.Namespace) -> list[Row]:
                 for target in args.targets:
                     for mode in MODES:
                         first, blocking, commit, raw = bench_mode(
-                            state, mode, roots[target], endpoint if target == "s3" else None,
-                            pg, args.reps, scratch, raw_copy,
-                        )  # fmt: skip
+                            state,
+                            mode,
+                            roots[target],
+                            endpoint if target == "s3" else None,
+                            pg,
+                            args.reps,
+                            scratch,
+                            raw_copy,
+                        )
                         row = Row(variant, size, target, mode, first, blocking, commit, raw)
                         rows.append(row)
                         raw_row.blocking_s += raw
                         raw_row.raw_s += raw
-                        print(f"  {variant} {size} MB {target} {mode}: blocking "
-                              f"{row.blocking:.4f} s ({row.x_raw:.2f}x raw copy), "
-                              f"commit {row.commit:.3f} s", file=sys.stderr, flush=True)
+                        print(
+                            f"  {variant} {size} MB {target} {mode}: blocking "
+                            f"{row.blocking:.4f} s ({row.x_raw:.2f}x raw copy), "
+                            f"commit {row.commit:.3f} s",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         gc.collect()
                 del state, raw_copy
                 gc.collect()
@@ -257,10 +270,14 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
         raw = by[(r.variant, r.size_mb, "memory", "raw_copy")]
         sync_s3 = by.get((r.variant, r.size_mb, "s3", "sync"))
         entry: dict[str, Any] = {
-            "variant": r.variant, "size_mb": r.size_mb, "target": r.target,
-            "async_staged_blocking_s": r.blocking, "raw_copy_s": raw.blocking,
-            "x_raw_copy": r.x_raw, "x_raw_copy_ok": r.x_raw <= 1.5,
-        }  # fmt: skip
+            "variant": r.variant,
+            "size_mb": r.size_mb,
+            "target": r.target,
+            "async_staged_blocking_s": r.blocking,
+            "raw_copy_s": raw.blocking,
+            "x_raw_copy": r.x_raw,
+            "x_raw_copy_ok": r.x_raw <= 1.5,
+        }
         if sync_s3 is not None:
             entry["share_of_sync_s3"] = r.blocking / sync_s3.blocking
             entry["share_of_sync_s3_ok"] = r.blocking <= 0.10 * sync_s3.blocking
@@ -309,26 +326,42 @@ def main() -> None:
     print(md)
     print()
     for s in summary:
-        line = (f"{s['size_mb']} MB {s['variant']} {s['target']}: async_staged blocking "
-                f"{s['x_raw_copy']:.2f}x raw copy (target <= 1.5x: "
-                f"{'ok' if s['x_raw_copy_ok'] else 'MISSED'})")  # fmt: skip
+        line = (
+            f"{s['size_mb']} MB {s['variant']} {s['target']}: async_staged blocking "
+            f"{s['x_raw_copy']:.2f}x raw copy (target <= 1.5x: "
+            f"{'ok' if s['x_raw_copy_ok'] else 'MISSED'})"
+        )
         if "share_of_sync_s3" in s:
-            line += (f", {100 * s['share_of_sync_s3']:.1f}% of sync-to-S3 (target <= 10%: "
-                     f"{'ok' if s['share_of_sync_s3_ok'] else 'MISSED'})")  # fmt: skip
+            line += (
+                f", {100 * s['share_of_sync_s3']:.1f}% of sync-to-S3 (target <= 10%: "
+                f"{'ok' if s['share_of_sync_s3_ok'] else 'MISSED'})"
+            )
         print(line)
     result = {
         "config": {
-            **vars(args), "torch": torch.__version__, "python": platform.python_version(),
-            "machine": platform.machine(), "cpus": os.cpu_count(),
+            **vars(args),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": round(time.time() - started, 1),
-            "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "wall_s": round(time.time() - started, 1),
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
         },
-        "rows": [{**asdict(r), "blocking_median_s": r.blocking, "commit_median_s": r.commit,
-                  "x_raw_copy": r.x_raw} for r in rows],
+        "rows": [
+            {
+                **asdict(r),
+                "blocking_median_s": r.blocking,
+                "commit_median_s": r.commit,
+                "x_raw_copy": r.x_raw,
+            }
+            for r in rows
+        ],
         "targets": summary,
         "table": md,
-    }  # fmt: skip
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

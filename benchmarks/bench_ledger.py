@@ -53,8 +53,11 @@ def trainer_step(tmp: Path, batch: int, rows: int, threads: int) -> Callable[[],
     config = load_config(
         job_id="bench-ledger",
         storage={"root": f"file://{tmp}/store"},
-        data={"url": f"file://{tmp}/data", "batch_size": batch,
-              "generator": {"rows": rows, "holdout_rows": 2048, "shards": 2}},
+        data={
+            "url": f"file://{tmp}/data",
+            "batch_size": batch,
+            "generator": {"rows": rows, "holdout_rows": 2048, "shards": 2},
+        },
         train={"eval_rows": 1024, "compile": False},
         checkpoint={"mode": "off"},
     )
@@ -109,8 +112,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--batch", type=int, default=1024, help="the demo config's batch size")
     p.add_argument("--rows", type=int, default=80_000, help="generated rows (64+ batches)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch intra-op threads (0: torch's default, as the trainer runs)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads (0: torch's default, as the trainer runs)",
+    )
     p.add_argument("--events", type=int, default=20_000, help="events for the tight loop")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ledger.json"))
     args = p.parse_args()
@@ -127,7 +134,7 @@ def main() -> None:
         for pair in range(args.pairs):
             first_bare = pair % 4 in (0, 3)  # B I, I B, I B, B I, ...
             times = {}
-            for use_ledger in ((False, True) if first_bare else (True, False)):
+            for use_ledger in (False, True) if first_bare else (True, False):
                 wall, in_ledger = timed_step(step, ledger if use_ledger else None, pair)
                 times[use_ledger] = wall
                 if use_ledger:
@@ -151,21 +158,32 @@ def main() -> None:
         "in_situ_overhead_pct": 100.0 * inside_us * 1e-3 / bare_ms,
         "tight_loop_span_us": span_us,
         "steps_per_mode": len(bare),
-        "config": {**vars(args), "torch_threads": torch.get_num_threads(),
-                   "torch": torch.__version__, "python": platform.python_version(),
-                   "machine": platform.machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                   "loadavg_1m": os.getloadavg()[0]},
+        "config": {
+            **vars(args),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "loadavg_1m": os.getloadavg()[0],
+        },
     }
     ci = result["overhead_pct_ci95"]
     rows = [
         ("median step, bare / instrumented", f"{bare_ms:.3f} / {instr_ms:.3f} ms"),
-        ("overhead, paired steps (95% CI) / pooled medians",
-         f"{result['overhead_pct']:+.2f} % [{ci[0]:+.2f}, {ci[1]:+.2f}] / "
-         f"{result['overhead_pct_pooled']:+.2f} %"),
-        ("time inside the ledger per step, median / p90",
-         f"{inside_us:.1f} / {result['in_situ_ledger_p90_us']:.1f} us"),
-        ("in-situ overhead = ledger time / median bare step",
-         f"{result['in_situ_overhead_pct']:.3f} %"),
+        (
+            "overhead, paired steps (95% CI) / pooled medians",
+            f"{result['overhead_pct']:+.2f} % [{ci[0]:+.2f}, {ci[1]:+.2f}] / "
+            f"{result['overhead_pct_pooled']:+.2f} %",
+        ),
+        (
+            "time inside the ledger per step, median / p90",
+            f"{inside_us:.1f} / {result['in_situ_ledger_p90_us']:.1f} us",
+        ),
+        (
+            "in-situ overhead = ledger time / median bare step",
+            f"{result['in_situ_overhead_pct']:.3f} %",
+        ),
         ("one span in a tight loop (hot caches)", f"{span_us:.1f} us"),
         ("steps per mode, load avg", f"{len(bare)}, {os.getloadavg()[0]:.1f}"),
     ]

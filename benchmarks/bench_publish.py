@@ -115,10 +115,21 @@ def run_mode(mode: str, work: Path, rep: int, args: argparse.Namespace, tracking
     config = job_config(work, job_id, args, tracking)
     cfg_path = work / f"{job_id}.yaml"
     dump_config(config, cfg_path)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **PUBLISH_ENV,
-           "ETT_PUBLISH_REGISTERED_MODEL": f"bench-ranker-{mode}"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={args.nproc}", "--max_restarts=0"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        **PUBLISH_ENV,
+        "ETT_PUBLISH_REGISTERED_MODEL": f"bench-ranker-{mode}",
+    }
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        "--max_restarts=0",
+    ]
     if mode == "coupled":
         cmd = [*torchrun, str(Path(__file__).resolve()), "--coupled-worker", str(cfg_path)]
     else:
@@ -149,8 +160,9 @@ def coupled_worker(config_path: str) -> int:
     from publish.pipeline import publish
     from trainer.train import run
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                        format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s: %(message)s"
+    )
     config = load_config(config_path)
     code = run(config)
     if code != 0 or int(os.environ.get("RANK", "0")) != 0:
@@ -210,23 +222,36 @@ def main() -> None:
     saved = summary["coupled"]["shutdown_s"] - summary["decoupled"]["shutdown_s"]
     result = {
         "benchmark": "publish",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "python": platform.python_version()},
-        "params": {"nproc": args.nproc, "steps": args.steps, "repeats": args.repeats,
-                   "tracking": "sqlite" if not args.tracking_uri else "server"},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+        },
+        "params": {
+            "nproc": args.nproc,
+            "steps": args.steps,
+            "repeats": args.repeats,
+            "tracking": "sqlite" if not args.tracking_uri else "server",
+        },
         "summary": summary,
         "shutdown_saved_per_job_s": round(saved, 3),
         "rank_seconds_saved_per_job": round(saved * args.nproc, 3),
         "runs": rows,
     }
     c, d = summary["coupled"], summary["decoupled"]
-    print("\n| mode | shutdown: last step -> job end (s) | of which after trainer end (s) "
-          "| job wall (s) | publish spans (s) | publisher process (s) |\n|---|---|---|---|---|---|")
-    print(f"| coupled (publish in job) | {c['shutdown_s']} | {c['after_trainer_end_s']} | "
-          f"{c['job_wall_s']} | {c['publish_spans_s']} | (inside the job) |")
-    print(f"| decoupled (anchor, publish separately) | {d['shutdown_s']} | "
-          f"{d['after_trainer_end_s']} | {d['job_wall_s']} | {d['publish_spans_s']} | "
-          f"{d['publisher_process_s']} |")
+    print(
+        "\n| mode | shutdown: last step -> job end (s) | of which after trainer end (s) "
+        "| job wall (s) | publish spans (s) | publisher process (s) |\n|---|---|---|---|---|---|"
+    )
+    print(
+        f"| coupled (publish in job) | {c['shutdown_s']} | {c['after_trainer_end_s']} | "
+        f"{c['job_wall_s']} | {c['publish_spans_s']} | (inside the job) |"
+    )
+    print(
+        f"| decoupled (anchor, publish separately) | {d['shutdown_s']} | "
+        f"{d['after_trainer_end_s']} | {d['job_wall_s']} | {d['publish_spans_s']} | "
+        f"{d['publisher_process_s']} |"
+    )
     print(f"\nshutdown saved per job: {saved:.2f} s ({saved * args.nproc:.1f} rank-seconds)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

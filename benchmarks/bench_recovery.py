@@ -40,9 +40,12 @@ from tests.factories import tiny_config, write_dataset  # noqa: E402
 
 def one(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, float | int | str]:
     config = tiny_config(
-        tmp, job_id=f"bench-{kind}", train={"steps": args.steps, "log_every": 5},
-        checkpoint={"every_steps": args.every}, faults=[{"kind": kind, "step": args.at}],
-    )  # fmt: skip
+        tmp,
+        job_id=f"bench-{kind}",
+        train={"steps": args.steps, "log_every": 5},
+        checkpoint={"every_steps": args.every},
+        faults=[{"kind": kind, "step": args.at}],
+    )
     path = tmp / f"{kind}.yaml"
     dump_config(config, path)
     command = torchrun_command(str(path))
@@ -51,7 +54,7 @@ def one(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, float | int
     outcome = run_attempts(
         lambda a: launch_attempt(config.job_url, command, a, args.hang_timeout, env),
         policy=RetryPolicy(max_failures=2, backoff_s=0),
-    )  # fmt: skip
+    )
     wall = time.perf_counter() - start
     report = report_for_job(config.job_url)
     f = report.failures[0]
@@ -84,15 +87,21 @@ def main() -> int:
         for kind in args.kinds.split(","):
             rows.append(one(kind.strip(), args, Path(tmp)))
             print(f"# {rows[-1]}", flush=True)
-    print(f"\nRecovery per failure kind ({args.steps} steps, checkpoint every {args.every}, "
-          f"failure at step {args.at}, backoff 0, hang timeout {args.hang_timeout:g} s)\n")
-    print("| failure | attempts | detection s | time to recover s | redone steps | "
-          "redone s | ETT% | job wall s |")
+    print(
+        f"\nRecovery per failure kind ({args.steps} steps, checkpoint every {args.every}, "
+        f"failure at step {args.at}, backoff 0, hang timeout {args.hang_timeout:g} s)\n"
+    )
+    print(
+        "| failure | attempts | detection s | time to recover s | redone steps | "
+        "redone s | ETT% | job wall s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['kind']} | {r['outcome']} | {r['detect_s']:.1f} | {r['recover_s']:.1f} | "
-              f"{r['wasted_steps']} | {r['wasted_s']:.2f} | {r['ett_pct']:.1f} | "
-              f"{r['wall_s']:.0f} |")
+        print(
+            f"| {r['kind']} | {r['outcome']} | {r['detect_s']:.1f} | {r['recover_s']:.1f} | "
+            f"{r['wasted_steps']} | {r['wasted_s']:.2f} | {r['ett_pct']:.1f} | "
+            f"{r['wall_s']:.0f} |"
+        )
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "recovery.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))

@@ -53,8 +53,7 @@ def longest_chain(durations: dict[str, float]) -> tuple[float, list[str]]:
 
     def best(key: str) -> tuple[float, list[str]]:
         if key not in memo:
-            before = max((best(d) for d in STAGE_DEPS[key] if d in durations),
-                         default=(0.0, []))
+            before = max((best(d) for d in STAGE_DEPS[key] if d in durations), default=(0.0, []))
             memo[key] = (before[0] + durations[key], [*before[1], key])
         return memo[key]
 
@@ -91,15 +90,27 @@ def attempt_metrics(events: list[Event], attempt: int) -> dict[str, Any]:
 
 
 def run_job(
-    tmp: Path, job: str, cache_url: str, parallel: bool, steps: int,
-    faults: list[dict] | None = None, attempts: int = 1,
+    tmp: Path,
+    job: str,
+    cache_url: str,
+    parallel: bool,
+    steps: int,
+    faults: list[dict] | None = None,
+    attempts: int = 1,
 ) -> dict[str, Any]:
     config = tiny_config(
-        tmp, job_id=job,
-        train={"steps": steps, "compile": True, "parallel_init": parallel,
-               "compile_cache_url": cache_url, "log_every": 5},
-        checkpoint={"every_steps": 5}, faults=faults or [],
-    )  # fmt: skip
+        tmp,
+        job_id=job,
+        train={
+            "steps": steps,
+            "compile": True,
+            "parallel_init": parallel,
+            "compile_cache_url": cache_url,
+            "log_every": 5,
+        },
+        checkpoint={"every_steps": 5},
+        faults=faults or [],
+    )
     # A fresh local inductor dir per process: what it finds is what the shared cache holds.
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     codes, walls = [], []
@@ -117,9 +128,13 @@ def run_job(
     out = attempt_metrics(events, max(e.attempt for e in events))
     breakdown = report.init[-1]
     out.update(
-        job=job, parallel=parallel, exit_codes=codes, process_wall_s=walls,
+        job=job,
+        parallel=parallel,
+        exit_codes=codes,
+        process_wall_s=walls,
         time_to_start_s=report.time_to_start_s,
-        critical_path=list(breakdown.critical_path), critical_path_s=breakdown.critical_path_s,
+        critical_path=list(breakdown.critical_path),
+        critical_path_s=breakdown.critical_path_s,
         init_union_s=breakdown.union_s,
     )
     if report.failures:
@@ -137,10 +152,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--kill-at", type=int, default=8)
-    parser.add_argument("--repeat", type=int, default=3,
-                        help="runs of each warm scenario (the median run is reported)")
-    parser.add_argument("--cold-parallel", action="store_true",
-                        help="also run a cold cache with parallel init (another cold compile)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="runs of each warm scenario (the median run is reported)",
+    )
+    parser.add_argument(
+        "--cold-parallel",
+        action="store_true",
+        help="also run a cold cache with parallel init (another cold compile)",
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "startup.json"))
     args = parser.parse_args()
 
@@ -152,40 +174,49 @@ def main() -> int:
     if args.cold_parallel:
         runs["cold_parallel"] = run_job(tmp, "cold-par", f"file://{tmp}/cc2", True, args.steps)
     runs["cold_serial"] = run_job(tmp, "cold-serial", cache, False, args.steps)
-    warm: dict[str, list[dict[str, Any]]] = {"warm_serial": [], "warm_parallel": [],
-                                             "restart": []}
+    warm: dict[str, list[dict[str, Any]]] = {"warm_serial": [], "warm_parallel": [], "restart": []}
     kill = [{"kind": "sigkill", "step": args.kill_at, "attempt": 0}]
     for i in range(args.repeat):  # interleaved, so drift in the machine's load hits all
         warm["warm_serial"].append(run_job(tmp, f"warm-serial-{i}", cache, False, args.steps))
         warm["warm_parallel"].append(run_job(tmp, f"warm-par-{i}", cache, True, args.steps))
         warm["restart"].append(
-            run_job(tmp, f"restart-{i}", cache, True, args.steps, kill, attempts=2))
+            run_job(tmp, f"restart-{i}", cache, True, args.steps, kill, attempts=2)
+        )
     runs.update({k: median_of(v) for k, v in warm.items()})
 
-    cold, ws, wp, rs = (runs[k] for k in ("cold_serial", "warm_serial", "warm_parallel",
-                                          "restart"))
+    cold, ws, wp, rs = (runs[k] for k in ("cold_serial", "warm_serial", "warm_parallel", "restart"))
     checks = [
         ("warm compile / cold compile (serial)", ws["compile_s"] / cold["compile_s"], 0.40),
         ("warm compile / cold compile (parallel)", wp["compile_s"] / cold["compile_s"], 0.40),
-        ("parallel Time to Start / its longest chain",
-         wp["time_to_start_s"] / wp["longest_chain_s"], 1.15),
-        ("restarted attempt start / (warm start + restore)",
-         rs["start_s"] / (wp["start_s"] + rs["restore_s"]), 1.0),
+        (
+            "parallel Time to Start / its longest chain",
+            wp["time_to_start_s"] / wp["longest_chain_s"],
+            1.15,
+        ),
+        (
+            "restarted attempt start / (warm start + restore)",
+            rs["start_s"] / (wp["start_s"] + rs["restore_s"]),
+            1.0,
+        ),
     ]
     ratios = {
         "parallel_vs_serial_time_to_start": wp["time_to_start_s"] / ws["time_to_start_s"],
-        "warm_parallel_vs_cold_serial_time_to_start":
-            wp["time_to_start_s"] / cold["time_to_start_s"],
+        "warm_parallel_vs_cold_serial_time_to_start": wp["time_to_start_s"]
+        / cold["time_to_start_s"],
     }
 
-    print("| scenario | cache | compile (s) | 1st step (s) | Time to Start (s) | stage sum (s) "
-          "| longest chain (s) | TTS / chain | restore (s) |")
+    print(
+        "| scenario | cache | compile (s) | 1st step (s) | Time to Start (s) | stage sum (s) "
+        "| longest chain (s) | TTS / chain | restore (s) |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in runs.items():
         tts = r["start_s"] if name == "restart" else r["time_to_start_s"]
-        print(f"| {name} | {r['cache']} | {r['compile_s']:.2f} | {r['first_step_s']:.3f} | "
-              f"{tts:.2f} | {r['init_sum_s']:.2f} | {r['longest_chain_s']:.2f} | "
-              f"{tts / r['longest_chain_s']:.2f} | {r['restore_s']:.2f} |")
+        print(
+            f"| {name} | {r['cache']} | {r['compile_s']:.2f} | {r['first_step_s']:.3f} | "
+            f"{tts:.2f} | {r['init_sum_s']:.2f} | {r['longest_chain_s']:.2f} | "
+            f"{tts / r['longest_chain_s']:.2f} | {r['restore_s']:.2f} |"
+        )
     print()
     print("| check | measured | target | ok |")
     print("|---|---:|---:|---|")
@@ -195,16 +226,21 @@ def main() -> int:
         print(f"| {label.replace('_', ' ')} | {value:.2f} | | |")
     print()
     print(f"longest chain (warm parallel): {' -> '.join(wp['longest_chain'])}")
-    print(f"restart: Time to Recover {rs.get('time_to_recover_s', float('nan')):.2f} s "
-          f"(incl. relaunch + imports), attempt start {rs['start_s']:.2f} s, "
-          f"restore {rs['restore_s']:.2f} s")
+    print(
+        f"restart: Time to Recover {rs.get('time_to_recover_s', float('nan')):.2f} s "
+        f"(incl. relaunch + imports), attempt start {rs['start_s']:.2f} s, "
+        f"restore {rs['restore_s']:.2f} s"
+    )
     recompiles = {k: r["recompiles_in_training"] for k, r in runs.items()}
     print(f"recompiles during training: {recompiles}")
 
     result = {
         "benchmark": "startup",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "load_avg": os.getloadavg()},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "load_avg": os.getloadavg(),
+        },
         "args": vars(args),
         "wall_s": time.perf_counter() - t0,
         "runs": runs,

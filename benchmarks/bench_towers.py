@@ -49,8 +49,14 @@ def train_tower(tmp: Path, data_url: str, tower: str, seed: int, steps: int) -> 
     events = read_events(config.job_url)
     evals = {e.step: e.attrs["auc"] for e in events if e.name == "eval"}
     steps_s = [e.duration for e in events if e.name == "train_step"]
-    return {"tower": tower, "seed": seed, "auc": evals, "final_auc": evals[max(evals)],
-            "median_step_s": statistics.median(steps_s), "wall_s": time.perf_counter() - t0}
+    return {
+        "tower": tower,
+        "seed": seed,
+        "auc": evals,
+        "final_auc": evals[max(evals)],
+        "median_step_s": statistics.median(steps_s),
+        "wall_s": time.perf_counter() - t0,
+    }
 
 
 def main() -> None:
@@ -66,8 +72,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-towers-") as tmp_dir:
         tmp = Path(tmp_dir)
         data_url = args.data or f"file://{tmp}/data"
-        meta = generate(load_config(data={"url": data_url}).data, data_url) if not args.data \
-            else {}
+        meta = generate(load_config(data={"url": data_url}).data, data_url) if not args.data else {}
         for seed in (int(s) for s in args.seeds.split(",")):
             for tower in TOWERS:  # interleaved, so load drift hits both alike
                 runs.append(train_tower(tmp, data_url, tower, seed, args.steps))
@@ -80,13 +85,19 @@ def main() -> None:
         print(f"| {r['tower']} | {r['seed']} | {aucs} | {1e3 * r['median_step_s']:.1f} |")
     mean = {t: statistics.mean(r["final_auc"] for r in runs if r["tower"] == t) for t in TOWERS}
     bayes = meta.get("bayes_auc")
-    print(f"\nfinal AUC, mean over seeds: attention {mean['attention']:.4f}, pooling "
-          f"{mean['pooling']:.4f} (difference {mean['attention'] - mean['pooling']:+.4f})"
-          + (f"; Bayes-optimal {bayes:.4f}" if bayes else ""))
+    print(
+        f"\nfinal AUC, mean over seeds: attention {mean['attention']:.4f}, pooling "
+        f"{mean['pooling']:.4f} (difference {mean['attention'] - mean['pooling']:+.4f})"
+        + (f"; Bayes-optimal {bayes:.4f}" if bayes else "")
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"runs": runs, "mean_final_auc": mean, "bayes_auc": bayes},
-                              indent=2, default=str) + "\n")
+    out.write_text(
+        json.dumps(
+            {"runs": runs, "mean_final_auc": mean, "bayes_auc": bayes}, indent=2, default=str
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,10 @@ DEFAULT_BACKOFF_S = 2.0
 
 def _mlflow_hint(tracking_uri: str) -> str:
     if tracking_uri.startswith("sqlite:///"):
-        return (f"mlflow ui --backend-store-uri {tracking_uri}   # then open "
-                "http://127.0.0.1:5000 (experiment, nested attempt runs, registered model)")
+        return (
+            f"mlflow ui --backend-store-uri {tracking_uri}   # then open "
+            "http://127.0.0.1:5000 (experiment, nested attempt runs, registered model)"
+        )
     return f"open {tracking_uri} in a browser"
 
 
@@ -60,13 +62,18 @@ def run_demo(steps: int | None = None, nproc: int = 1) -> int:
     t_data = time.monotonic() - t0
 
     fault = {"kind": "sigkill", "step": max(1, steps // 2), "attempt": 0}
-    print(f"\n== training job {job_id}: {steps} steps, SIGKILL injected at step "
-          f"{fault['step']} of attempt 0 ==\n", flush=True)
+    print(
+        f"\n== training job {job_id}: {steps} steps, SIGKILL injected at step "
+        f"{fault['step']} of attempt 0 ==\n",
+        flush=True,
+    )
     t1 = time.monotonic()
     result: dict[str, Any] = train_flow(
         overrides={"job_id": job_id, "train": {"steps": steps}},
-        nproc=nproc, backoff_s=DEFAULT_BACKOFF_S, faults=[fault],
-    )  # fmt: skip
+        nproc=nproc,
+        backoff_s=DEFAULT_BACKOFF_S,
+        faults=[fault],
+    )
     t_train = time.monotonic() - t1
 
     anchor = result["anchor"]
@@ -77,9 +84,11 @@ def run_demo(steps: int | None = None, nproc: int = 1) -> int:
     else:
         print(f"\n== publishing the anchor {anchor['uri']} (its own flow run) ==\n", flush=True)
         published = publish_flow(
-            uri=anchor["uri"], step=anchor["step"], job_id=job_id,
+            uri=anchor["uri"],
+            step=anchor["step"],
+            job_id=job_id,
             mlflow_run_id=result["mlflow_run_id"],
-        )  # fmt: skip
+        )
     t_publish = time.monotonic() - t2
 
     report = report_for_job(result["job_url"])
@@ -88,13 +97,19 @@ def run_demo(steps: int | None = None, nproc: int = 1) -> int:
     print(f"attempts: {'; '.join(result['attempts'])}")
     if published:
         aliases = ", ".join(published.get("aliases") or []) or "none"
-        print(f"published: {published.get('registered_model')} version "
-              f"{published.get('version')} (aliases: {aliases})")
-    print(f"time: data {t_data:.0f} s, training flow {t_train:.0f} s, publishing "
-          f"{t_publish:.0f} s, total {time.monotonic() - t0:.0f} s")
+        print(
+            f"published: {published.get('registered_model')} version "
+            f"{published.get('version')} (aliases: {aliases})"
+        )
+    print(
+        f"time: data {t_data:.0f} s, training flow {t_train:.0f} s, publishing "
+        f"{t_publish:.0f} s, total {time.monotonic() - t0:.0f} s"
+    )
     print(f"\nMLflow UI: {_mlflow_hint(base.tracking.mlflow_uri)}")
-    print("Prefect: this demo ran on a temporary API; start `prefect server start` and set "
-          "PREFECT_API_URL to keep the runs, or see README for the full local stack.")
+    print(
+        "Prefect: this demo ran on a temporary API; start `prefect server start` and set "
+        "PREFECT_API_URL to keep the runs, or see README for the full local stack."
+    )
     return 0 if published is not None and result["failures"] >= 1 else 1
 
 

@@ -49,7 +49,11 @@ def publish_flow(
     verb = "was already published as" if result.already_published else "published as"
     logger.info(
         "%s %s %s version %s (aliases: %s)",
-        uri, verb, result.registered_model, result.version, ", ".join(result.aliases) or "none",
+        uri,
+        verb,
+        result.registered_model,
+        result.version,
+        ", ".join(result.aliases) or "none",
     )
     return result.to_dict()
 

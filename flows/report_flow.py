@@ -24,8 +24,9 @@ def ett_report_flow(
     """Summarise every job of ``experiment`` at ``tracking_uri`` (defaults: the job config's
     tracking section, i.e. ETT_TRACKING__* or the embedded defaults)."""
     defaults = load_config().tracking
-    return fleet_report(tracking_uri or defaults.mlflow_uri, experiment or defaults.experiment,
-                        out_dir)
+    return fleet_report(
+        tracking_uri or defaults.mlflow_uri, experiment or defaults.experiment, out_dir
+    )
 
 
 if __name__ == "__main__":

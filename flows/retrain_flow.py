@@ -40,13 +40,19 @@ class Window:
 @task(name="latest-window", cache_policy=NO_CACHE)
 def latest_window(data_root: str) -> Window:
     """The newest complete ``dt=YYYY-MM-DD`` partition under ``data_root``."""
-    found = [Window(m.group(1), storage.join(data_root, name))
-             for name in storage.listdir(data_root) if (m := PARTITION.fullmatch(name))]
+    found = [
+        Window(m.group(1), storage.join(data_root, name))
+        for name in storage.listdir(data_root)
+        if (m := PARTITION.fullmatch(name))
+    ]
     for window in sorted(found, key=lambda w: w.date, reverse=True):
         if any(storage.exists(storage.join(window.url, m)) for m in COMPLETE_MARKERS):
             return window
-        logger().warning("skipping incomplete partition %s (no %s yet)", window.url,
-                         " or ".join(COMPLETE_MARKERS))  # fmt: skip
+        logger().warning(
+            "skipping incomplete partition %s (no %s yet)",
+            window.url,
+            " or ".join(COMPLETE_MARKERS),
+        )
     raise FileNotFoundError(f"no complete dt=YYYY-MM-DD partition under {data_root}")
 
 
@@ -66,8 +72,12 @@ def champion_anchor(tracking_uri: str, registered_model: str) -> str | None:
         raise
     uri = (version.tags or {}).get(ANCHOR_TAG)
     if not uri:
-        logger().warning("champion %s v%s has no %s tag: cold start", registered_model,
-                         version.version, ANCHOR_TAG)  # fmt: skip
+        logger().warning(
+            "champion %s v%s has no %s tag: cold start",
+            registered_model,
+            version.version,
+            ANCHOR_TAG,
+        )
         return None
     logger().info("champion %s v%s: warm start from %s", registered_model, version.version, uri)
     return uri
@@ -97,10 +107,19 @@ def retrain_flow(
     }
     if warm is not None:
         overrides["checkpoint"] = {"warm_start": warm}
-    logger().info("retraining %s on %s (%s)", overrides["job_id"], window.url,
-                  f"warm from {warm}" if warm else "cold start")  # fmt: skip
+    logger().info(
+        "retraining %s on %s (%s)",
+        overrides["job_id"],
+        window.url,
+        f"warm from {warm}" if warm else "cold start",
+    )
     result = train_flow(
-        config=config, overrides=overrides, nproc=nproc, max_failures=max_failures,
-        backoff_s=backoff_s, hang_timeout_s=hang_timeout_s, faults=faults,
-    )  # fmt: skip
+        config=config,
+        overrides=overrides,
+        nproc=nproc,
+        max_failures=max_failures,
+        backoff_s=backoff_s,
+        hang_timeout_s=hang_timeout_s,
+        faults=faults,
+    )
     return {**result, "window": window.date, "data_url": window.url, "warm_start": warm}

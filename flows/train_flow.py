@@ -105,9 +105,15 @@ def train_flow(
 
     def launch(attempt: int) -> AttemptReport:
         state = attempt_task(
-            job.job_url, command, attempt, hang_timeout_s, None, on_step,
-            scheduling if attempt == first else None, return_state=True,
-        )  # fmt: skip
+            job.job_url,
+            command,
+            attempt,
+            hang_timeout_s,
+            None,
+            on_step,
+            scheduling if attempt == first else None,
+            return_state=True,
+        )
         if state.is_completed():
             return state.result()
         error = state.result(raise_on_failure=False)
@@ -118,9 +124,11 @@ def train_flow(
     policy = RetryPolicy(max_failures=max_failures, backoff_s=backoff_s)
     try:
         outcome = run_attempts(
-            launch, first, policy,
+            launch,
+            first,
+            policy,
             on_attempt=lambda r: log_attempt(run_id, job.tracking.mlflow_uri, r),
-        )  # fmt: skip
+        )
     finally:
         shutil.rmtree(os.path.dirname(config_path), ignore_errors=True)  # the ranks' copy
     anchor = find_anchor(job.job_url) if outcome.succeeded else None
@@ -129,23 +137,37 @@ def train_flow(
         update_progress_artifact(artifact_id=progress_id, progress=100.0)
         event_id = emit_anchor_committed(anchor, job.job_id, run_id)
     elif outcome.succeeded:
-        log.warning("job %s succeeded without an anchor checkpoint (checkpoint.mode off?): "
-                    "nothing to publish", job.job_id)  # fmt: skip
+        log.warning(
+            "job %s succeeded without an anchor checkpoint (checkpoint.mode off?): "
+            "nothing to publish",
+            job.job_id,
+        )
 
-    extra = {"ett.num_preemptions": float(outcome.preemptions),
-             "ett.max_failures": float(max_failures)}  # fmt: skip
+    extra = {
+        "ett.num_preemptions": float(outcome.preemptions),
+        "ett.max_failures": float(max_failures),
+    }
     report_state = report_job(
-        job.job_url, job.job_id, run_id, job.tracking.mlflow_uri, extra, outcome.succeeded,
+        job.job_url,
+        job.job_id,
+        run_id,
+        job.tracking.mlflow_uri,
+        extra,
+        outcome.succeeded,
         return_state=True,
-    )  # fmt: skip
+    )
     report = report_state.result(raise_on_failure=False) if report_state.is_completed() else None
     if report is None:
         log.warning("no ETT report for %s: %s", job.job_id, report_state.message)
     if not outcome.succeeded:
         logged = "ETT report logged" if report is not None else "no ETT report"
         raise TrainingFailed(f"job {job.job_id} failed: {outcome.message} ({logged})")
-    log.info("job %s %s; ETT %s", job.job_id, outcome.message,
-             f"{report['ett_pct']:.1f}%" if report else "unknown")  # fmt: skip
+    log.info(
+        "job %s %s; ETT %s",
+        job.job_id,
+        outcome.message,
+        f"{report['ett_pct']:.1f}%" if report else "unknown",
+    )
     return {
         "job_id": job.job_id,
         "job_url": job.job_url,

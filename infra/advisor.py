@@ -51,8 +51,10 @@ class Advice:
         if self.bound_by_upload:
             lines.append(f"raised to the upload time {self.upload_s:g} s (one upload in flight)")
         if self.current_interval_s and self.current_waste_fraction is not None:
-            lines.append(f"current interval {self.current_interval_s:.1f} s wastes "
-                         f"{100 * self.current_waste_fraction:.2f}%")
+            lines.append(
+                f"current interval {self.current_interval_s:.1f} s wastes "
+                f"{100 * self.current_waste_fraction:.2f}%"
+            )
         return "\n".join(lines)
 
 

@@ -27,11 +27,27 @@ from typing import Any
 
 from infra.ledger import INIT_SPANS, PUBLISH_SPANS, Event, read_events
 
-BUCKETS = ("effective_training", "wasted_training", "checkpoint_blocking", "startup",
-           "recovery", "eval", "shutdown", "other")
+BUCKETS = (
+    "effective_training",
+    "wasted_training",
+    "checkpoint_blocking",
+    "startup",
+    "recovery",
+    "eval",
+    "shutdown",
+    "other",
+)
 # Highest first: an instant covered by several spans/windows goes to the first of them.
-PRIORITY = ("checkpoint_blocking", "eval", "effective_training", "wasted_training", "shutdown",
-            "recovery", "startup", "other")
+PRIORITY = (
+    "checkpoint_blocking",
+    "eval",
+    "effective_training",
+    "wasted_training",
+    "shutdown",
+    "recovery",
+    "startup",
+    "other",
+)
 FAILURE_BUCKETS = ("wasted_training", "recovery")
 # Stages whose overlap decides how long an attempt takes to reach its first step.
 STARTUP_STAGES = ("scheduling", "hardware_setup", "launcher_init", *INIT_SPANS)
@@ -126,8 +142,11 @@ class EttReport:
 
     def to_metrics(self) -> dict[str, float]:
         """Flat numeric metrics (MLflow-style): headline numbers, buckets, L1 metrics."""
-        scalars = {k: float(v) for k, v in self.to_dict().items()
-                   if isinstance(v, int | float) and not isinstance(v, bool)}
+        scalars = {
+            k: float(v)
+            for k, v in self.to_dict().items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        }
         return scalars | {f"bucket_{k}_s": v for k, v in self.buckets.items()}
 
 
@@ -203,8 +222,13 @@ def partition(
 
 
 def _init_breakdown(attempt: int, evs: list[Event], first_step_t: float | None) -> InitBreakdown:
-    stages = [e for e in evs if e.kind == "span" and e.name in STARTUP_STAGES
-              and (first_step_t is None or e.start < first_step_t)]
+    stages = [
+        e
+        for e in evs
+        if e.kind == "span"
+        and e.name in STARTUP_STAGES
+        and (first_step_t is None or e.start < first_step_t)
+    ]
     durations: dict[str, float] = defaultdict(float)
     for e in stages:
         durations[e.name] += e.duration
@@ -239,8 +263,11 @@ def _attempts(
             outcome = "stopped" if "shutdown" in names else "unfinished"
         end = max(e.end for e in own)
         start = min(e.start for e in by_attempt[a])
-        attempts.append(AttemptSummary(a, start - t0, end - t0, outcome,
-                                       min(nums, default=None), max(nums, default=None)))
+        attempts.append(
+            AttemptSummary(
+                a, start - t0, end - t0, outcome, min(nums, default=None), max(nums, default=None)
+            )
+        )
         if outcome == "failed":
             died.append((end, a, marks[0] if marks else None))
         elif outcome == "stopped" and a != order[-1]:
@@ -249,8 +276,11 @@ def _attempts(
 
 
 def _failures(
-    died: list[tuple[float, int, Event | None]], attempts: list[AttemptSummary],
-    steps: list[Event], t0: float, t1: float,
+    died: list[tuple[float, int, Event | None]],
+    attempts: list[AttemptSummary],
+    steps: list[Event],
+    t0: float,
+    t1: float,
 ) -> tuple[list[FailureRecord], list[tuple[float, float, str]]]:
     """Per failure: its disjoint recovery window (see FailureRecord) and what the mark says."""
     last_step = {s.attempt: s.last_step for s in attempts}
@@ -263,15 +293,17 @@ def _failures(
         windows.append((t_died, end, "recovery"))
         attrs = mark.attrs if mark else {}
         step = mark.step if mark and mark.step is not None else attrs.get("step")
-        out.append(FailureRecord(
-            attempt=a,
-            cause=str(attrs.get("cause", "unobserved")),
-            last_step=last_step[a] if step is None else step,
-            died_at=t_died - t0,
-            detected_at=None if mark is None else mark.start - t0,
-            resumed_at=None if resumed is None or end != resumed else resumed - t0,
-            time_to_recover_s=end - t_died,
-        ))
+        out.append(
+            FailureRecord(
+                attempt=a,
+                cause=str(attrs.get("cause", "unobserved")),
+                last_step=last_step[a] if step is None else step,
+                died_at=t_died - t0,
+                detected_at=None if mark is None else mark.start - t0,
+                resumed_at=None if resumed is None or end != resumed else resumed - t0,
+                time_to_recover_s=end - t_died,
+            )
+        )
     return out, windows
 
 
@@ -299,16 +331,22 @@ def compute_report(events: list[Event], interval_s: float | None = None) -> EttR
         resumed = min((e.start for e in steps if e.attempt > a and e.start >= t_end), default=t1)
         windows.append((t_end, resumed, "startup"))
     first = first_step.get(order[0], min((e.start for e in steps), default=None))
-    windows.append((t0, min([first if first is not None else t1] + [d[0] for d in died]),
-                    "startup"))
+    windows.append(
+        (t0, min([first if first is not None else t1] + [d[0] for d in died]), "startup")
+    )
     last_exec: dict[Any, Event] = {}
     for e in steps:  # ordered by (attempt, start): the last one seen wins
         last_exec[e.step if e.step is not None else id(e)] = e
     kept = {id(e) for e in last_exec.values()}
-    spans = [(e.start, e.end, "effective_training" if id(e) in kept else "wasted_training")
-             for e in steps]
-    spans += [(e.start, e.end, e.name) for e in job
-              if e.name in ("checkpoint_blocking", "eval", "shutdown")]
+    spans = [
+        (e.start, e.end, "effective_training" if id(e) in kept else "wasted_training")
+        for e in steps
+    ]
+    spans += [
+        (e.start, e.end, e.name)
+        for e in job
+        if e.name in ("checkpoint_blocking", "eval", "shutdown")
+    ]
     buckets, segments = partition(spans + windows, t0, t1)
     wall = t1 - t0
     ett = 100.0 * buckets["effective_training"] / wall if wall > 0 else 0.0
@@ -323,21 +361,25 @@ def compute_report(events: list[Event], interval_s: float | None = None) -> EttR
     per_ckpt: dict[tuple[int, int | None], list[Event]] = defaultdict(list)
     for e in spans:
         per_ckpt[(e.attempt, e.step)].append(e)
-    ckpts = sorted((min(es, key=lambda e: e.start) for es in per_ckpt.values()),
-                   key=lambda e: (e.attempt, e.start))
+    ckpts = sorted(
+        (min(es, key=lambda e: e.start) for es in per_ckpt.values()),
+        key=lambda e: (e.attempt, e.start),
+    )
     pairs = [(a, b) for a, b in zip(ckpts, ckpts[1:], strict=False) if a.attempt == b.attempt]
     gaps_steps = [float(b.step - a.step) for a, b in pairs if None not in (a.step, b.step)]
     blocking_total = math.fsum(e.duration for e in spans)
     blocking_mean = blocking_total / len(ckpts) if ckpts else None
     loop = math.fsum(last_end[a] - first_step[a] for a in first_step)
-    interval = interval_s if interval_s is not None else _median([b.start - a.start
-                                                                  for a, b in pairs])
+    interval = (
+        interval_s if interval_s is not None else _median([b.start - a.start for a, b in pairs])
+    )
     if interval is None and ckpts and loop > 0:
         interval = loop / len(ckpts)
     blocks = {key: max(e.end for e in es) for key, es in per_ckpt.items()}
     commits = [e for e in job if e.name == "checkpoint_committed"]
-    latency = [e.start - blocks[(e.attempt, e.step)] for e in commits
-               if (e.attempt, e.step) in blocks]
+    latency = [
+        e.start - blocks[(e.attempt, e.step)] for e in commits if (e.attempt, e.step) in blocks
+    ]
     per_rank: dict[int, list[float]] = defaultdict(list)
     for e in events:
         if e.name == "train_step":

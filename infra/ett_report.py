@@ -51,23 +51,55 @@ def _sections(r: EttReport) -> list[tuple[str, list[str], list[list[str]]]]:
         ["Finished (job_end seen)", "yes" if r.finished else "no"],
     ]
     failures = [
-        [str(f.attempt), f.cause, str(f.last_step), _s(f.died_at), _s(f.detected_at),
-         _s(f.resumed_at), _s(f.time_to_recover_s)]
+        [
+            str(f.attempt),
+            f.cause,
+            str(f.last_step),
+            _s(f.died_at),
+            _s(f.detected_at),
+            _s(f.resumed_at),
+            _s(f.time_to_recover_s),
+        ]
         for f in r.failures
     ]
     init: list[list[str]] = []
     for ib in r.init:
-        init += [[str(ib.attempt), name, _s(secs), "*" if name in ib.critical_path else ""]
-                 for name, secs in ib.stages.items()]
-        init.append([str(ib.attempt), "(sum / union / wall)",
-                     f"{_s(ib.sum_s)} / {_s(ib.union_s)} / {_s(ib.wall_s)}", ""])
-        init.append([str(ib.attempt), "(critical path)", _s(ib.critical_path_s),
-                     " > ".join(ib.critical_path)])
+        init += [
+            [str(ib.attempt), name, _s(secs), "*" if name in ib.critical_path else ""]
+            for name, secs in ib.stages.items()
+        ]
+        init.append(
+            [
+                str(ib.attempt),
+                "(sum / union / wall)",
+                f"{_s(ib.sum_s)} / {_s(ib.union_s)} / {_s(ib.wall_s)}",
+                "",
+            ]
+        )
+        init.append(
+            [
+                str(ib.attempt),
+                "(critical path)",
+                _s(ib.critical_path_s),
+                " > ".join(ib.critical_path),
+            ]
+        )
     return [
         ("Wall-time buckets", ["bucket", "seconds", "% of W"], buckets),
         ("L1 metrics", ["metric", "value"], headline),
-        ("Failures", ["attempt", "cause", "last step", "died at", "detected at", "resumed at",
-                      "time to recover"], failures),
+        (
+            "Failures",
+            [
+                "attempt",
+                "cause",
+                "last step",
+                "died at",
+                "detected at",
+                "resumed at",
+                "time to recover",
+            ],
+            failures,
+        ),
         ("Startup sub-stages", ["attempt", "stage", "seconds", "critical path"], init),
     ]
 
@@ -125,8 +157,10 @@ def plot_breakdown(report: EttReport, path: str | Path) -> Path:
     bar.set_xlim(0, 100)
     bar.set_yticks([])
     bar.set_xlabel("% of wall time")
-    bar.set_title(f"ETT {report.ett_pct:.1f}%  |  idle {report.idleness_pct:.1f}%  |  "
-                  f"failure {report.failure_pct:.1f}%")
+    bar.set_title(
+        f"ETT {report.ett_pct:.1f}%  |  idle {report.idleness_pct:.1f}%  |  "
+        f"failure {report.failure_pct:.1f}%"
+    )
     bar.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=4, fontsize=7)
     for bucket in BUCKETS:
         spans = [(a, b - a) for a, b, k in report.segments if k == bucket]

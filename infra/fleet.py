@@ -89,8 +89,12 @@ class FleetSummary:
 def _job_runs(client: MlflowClient, experiment_id: str) -> list[Any]:
     runs, token = [], None
     while True:
-        page = client.search_runs([experiment_id], filter_string=f"tags.`{KIND_TAG}` = 'job'",
-                                  max_results=1000, page_token=token)
+        page = client.search_runs(
+            [experiment_id],
+            filter_string=f"tags.`{KIND_TAG}` = 'job'",
+            max_results=1000,
+            page_token=token,
+        )
         runs += list(page)
         token = page.token
         if not token:
@@ -98,8 +102,11 @@ def _job_runs(client: MlflowClient, experiment_id: str) -> list[Any]:
 
 
 def _job(client: MlflowClient, run: Any) -> FleetJob:
-    m = {k[len(METRIC_PREFIX):]: v for k, v in run.data.metrics.items()
-         if k.startswith(METRIC_PREFIX)}
+    m = {
+        k[len(METRIC_PREFIX) :]: v
+        for k, v in run.data.metrics.items()
+        if k.startswith(METRIC_PREFIX)
+    }
     failures = int(m.get("num_failures", 0))
     ttr: tuple[float, ...] = ()
     if failures:
@@ -135,17 +142,34 @@ def find_regressions(jobs: list[FleetJob], t: Thresholds | None = None) -> list[
     """Each job against the median of the previous ``t.window`` jobs that have the metric."""
     t = t or Thresholds()
     rules = [  # (metric, label, value of a job, is it worse than the baseline?)
-        ("time_to_start_s", "Time to Start", lambda j: j.time_to_start_s,
-         lambda v, b: v > b * (1 + t.time_to_start_increase) and v - b >= t.min_delta_s,
-         f"threshold +{t.time_to_start_increase:.0%}"),
-        ("ett_pct", "ETT%", lambda j: j.ett_pct,
-         lambda v, b: b - v > t.ett_drop_points, f"threshold -{t.ett_drop_points:g} points"),
-        ("time_to_recover_s", "Time to Recover (mean per failure)", _mean_ttr,
-         lambda v, b: v > b * (1 + t.time_to_recover_increase) and v - b >= t.min_delta_s,
-         f"threshold +{t.time_to_recover_increase:.0%}"),
-        ("checkpoint_blocking_mean_s", "Checkpoint blocking per checkpoint",
-         lambda j: j.checkpoint_blocking_mean_s,
-         lambda v, b: v > b * (1 + t.blocking_increase), f"threshold +{t.blocking_increase:.0%}"),
+        (
+            "time_to_start_s",
+            "Time to Start",
+            lambda j: j.time_to_start_s,
+            lambda v, b: v > b * (1 + t.time_to_start_increase) and v - b >= t.min_delta_s,
+            f"threshold +{t.time_to_start_increase:.0%}",
+        ),
+        (
+            "ett_pct",
+            "ETT%",
+            lambda j: j.ett_pct,
+            lambda v, b: b - v > t.ett_drop_points,
+            f"threshold -{t.ett_drop_points:g} points",
+        ),
+        (
+            "time_to_recover_s",
+            "Time to Recover (mean per failure)",
+            _mean_ttr,
+            lambda v, b: v > b * (1 + t.time_to_recover_increase) and v - b >= t.min_delta_s,
+            f"threshold +{t.time_to_recover_increase:.0%}",
+        ),
+        (
+            "checkpoint_blocking_mean_s",
+            "Checkpoint blocking per checkpoint",
+            lambda j: j.checkpoint_blocking_mean_s,
+            lambda v, b: v > b * (1 + t.blocking_increase),
+            f"threshold +{t.blocking_increase:.0%}",
+        ),
     ]
     out: list[Regression] = []
     for metric, label, get, worse, rule in rules:
@@ -154,7 +178,7 @@ def find_regressions(jobs: list[FleetJob], t: Thresholds | None = None) -> list[
             value = get(job)
             if value is None:
                 continue
-            history = seen[-t.window:]
+            history = seen[-t.window :]
             if len(history) >= t.min_history:
                 base = statistics.median(history)
                 if worse(value, base):
@@ -164,11 +188,17 @@ def find_regressions(jobs: list[FleetJob], t: Thresholds | None = None) -> list[
                     else:
                         change = f"{(value / base - 1) if base else float('inf'):+.0%} over"
                         unit = " s"
-                    out.append(Regression(
-                        job.job_id, job.run_id, metric, value, base,
-                        f"{job.job_id}: {label} {value:.2f}{unit} is {change} the trailing "
-                        f"median {base:.2f}{unit} of the previous {len(history)} jobs ({rule})",
-                    ))
+                    out.append(
+                        Regression(
+                            job.job_id,
+                            job.run_id,
+                            metric,
+                            value,
+                            base,
+                            f"{job.job_id}: {label} {value:.2f}{unit} is {change} the trailing "
+                            f"median {base:.2f}{unit} of the previous {len(history)} jobs ({rule})",
+                        )
+                    )
             seen.append(value)
     order = {j.run_id: i for i, j in enumerate(jobs)}
     return sorted(out, key=lambda r: order[r.run_id])
@@ -179,16 +209,23 @@ def _quantiles(xs: list[float]) -> dict[str, float]:
         return {"n": 0.0}
     s = sorted(xs)
     pick = lambda q: s[max(0, math.ceil(q * len(s)) - 1)]  # nearest rank
-    return {"n": float(len(s)), "min": s[0], "p50": statistics.median(s), "p90": pick(0.9),
-            "max": s[-1], "mean": statistics.fmean(s)}
+    return {
+        "n": float(len(s)),
+        "min": s[0],
+        "p50": statistics.median(s),
+        "p90": pick(0.9),
+        "max": s[-1],
+        "mean": statistics.fmean(s),
+    }
 
 
 def _stats(jobs: list[FleetJob]) -> dict[str, dict[str, float]]:
     wall = sum(j.wall_s for j in jobs)
     return {
         "ett_pct": _quantiles([j.ett_pct for j in jobs]),
-        "time_to_start_s": _quantiles([j.time_to_start_s for j in jobs
-                                       if j.time_to_start_s is not None]),
+        "time_to_start_s": _quantiles(
+            [j.time_to_start_s for j in jobs if j.time_to_start_s is not None]
+        ),
         "time_to_recover_s": _quantiles([x for j in jobs for x in j.time_to_recover_s]),
         "totals": {
             "jobs": float(len(jobs)),
@@ -208,16 +245,37 @@ def _when(ts: float) -> str:
 
 
 def _rows(s: FleetSummary) -> tuple[list[str], list[list[str]]]:
-    header = ["job", "started (UTC)", "ETT%", "start s", "failures", "recover s",
-              "unsaved s", "ckpt block s", "wall s", "flags"]
+    header = [
+        "job",
+        "started (UTC)",
+        "ETT%",
+        "start s",
+        "failures",
+        "recover s",
+        "unsaved s",
+        "ckpt block s",
+        "wall s",
+        "flags",
+    ]
     flags: dict[str, list[str]] = {}
     for r in s.regressions:
         flags.setdefault(r.run_id, []).append(r.metric)
     f = lambda x: "-" if x is None else f"{x:.1f}"
-    rows = [[j.job_id, _when(j.start_time), f"{j.ett_pct:.2f}", f(j.time_to_start_s),
-             str(j.num_failures), f(j.time_to_recover_total_s), f(j.unsaved_s),
-             f(j.checkpoint_blocking_s), f(j.wall_s), ",".join(flags.get(j.run_id, []))]
-            for j in s.jobs]
+    rows = [
+        [
+            j.job_id,
+            _when(j.start_time),
+            f"{j.ett_pct:.2f}",
+            f(j.time_to_start_s),
+            str(j.num_failures),
+            f(j.time_to_recover_total_s),
+            f(j.unsaved_s),
+            f(j.checkpoint_blocking_s),
+            f(j.wall_s),
+            ",".join(flags.get(j.run_id, [])),
+        ]
+        for j in s.jobs
+    ]
     return header, rows
 
 
@@ -321,11 +379,20 @@ def _plots(s: FleetSummary, out: Path) -> dict[str, str]:
     recover = [j.time_to_recover_total_s for j in jobs]
     ax.bar(idx, unsaved, color="#d62728", label="unsaved (wasted) training")
     ax.bar(idx, blocking, bottom=unsaved, color="#ff7f0e", label="checkpoint blocking")
-    ax.bar(idx, recover, bottom=[a + b for a, b in zip(unsaved, blocking, strict=True)],
-           color="#9467bd", label="time to recover")
+    ax.bar(
+        idx,
+        recover,
+        bottom=[a + b for a, b in zip(unsaved, blocking, strict=True)],
+        color="#9467bd",
+        label="time to recover",
+    )
     for i, j in enumerate(jobs):
-        ax.annotate(f"{j.num_failures}F", (i, unsaved[i] + blocking[i] + recover[i]),
-                    ha="center", fontsize=7)
+        ax.annotate(
+            f"{j.num_failures}F",
+            (i, unsaved[i] + blocking[i] + recover[i]),
+            ha="center",
+            fontsize=7,
+        )
     ax.set_xticks(list(idx), [j.job_id for j in jobs], rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("seconds")
     ax.set_title("Lost time per job (F = failures)")
@@ -346,8 +413,11 @@ def fleet_summary(
     runs = _job_runs(client, exp.experiment_id) if exp is not None else []
     reported = [r for r in runs if f"{METRIC_PREFIX}ett_pct" in r.data.metrics]
     jobs = sorted((_job(client, r) for r in reported), key=lambda j: (j.start_time, j.job_id))
-    in_progress = tuple(r.data.tags.get(JOB_ID_TAG, r.info.run_name) for r in runs
-                        if f"{METRIC_PREFIX}ett_pct" not in r.data.metrics)
+    in_progress = tuple(
+        r.data.tags.get(JOB_ID_TAG, r.info.run_name)
+        for r in runs
+        if f"{METRIC_PREFIX}ett_pct" not in r.data.metrics
+    )
     summary = FleetSummary(
         experiment=experiment,
         tracking_uri=redact_url(tracking_uri),

@@ -105,14 +105,23 @@ def _attrs_json(attrs: dict[str, Any]) -> str:
     return "{" + ",".join(fields) + "}"
 
 
-def _line(kind: str, name: str, times: str, attempt: int, rank: int,
-          step: int | None, attrs: dict[str, Any]) -> bytes:
+def _line(
+    kind: str,
+    name: str,
+    times: str,
+    attempt: int,
+    rank: int,
+    step: int | None,
+    attrs: dict[str, Any],
+) -> bytes:
     """One event line. The fixed fields are formatted directly (names come from the closed
     vocabulary, numbers are finite): on the step path this costs a third of json.dumps."""
     step_field = "" if step is None else f',"step":{int(step)}'
     attrs_field = f',"attrs":{_attrs_json(attrs)}' if attrs else ""
-    return (f'{{"v":1,"kind":"{kind}","name":"{name}",{times},"attempt":{attempt},'
-            f'"rank":{rank}{step_field}{attrs_field}}}\n').encode()
+    return (
+        f'{{"v":1,"kind":"{kind}","name":"{name}",{times},"attempt":{attempt},'
+        f'"rank":{rank}{step_field}{attrs_field}}}\n'
+    ).encode()
 
 
 def _time(value: float) -> str:
@@ -194,8 +203,9 @@ class Ledger:
             if self._remote and self.clock() - self._last_sync >= self._sync_every_s:
                 self._sync_locked()
 
-    def _write_span(self, name: str, start: float, end: float, step: int | None,
-                    attrs: dict[str, Any]) -> None:
+    def _write_span(
+        self, name: str, start: float, end: float, step: int | None, attrs: dict[str, Any]
+    ) -> None:
         times = f'"start":{_time(start)},"end":{_time(end)}'
         self._write(_line("span", name, times, self.attempt, self.rank, step, attrs))
 
@@ -249,8 +259,9 @@ class Ledger:
             if self._sync_locked():
                 shutil.rmtree(os.path.dirname(self._local), ignore_errors=True)
             else:  # nothing is lost: the events stay on local disk
-                log.error("ledger %s not uploaded; its events are kept in %s", self.url,
-                          self._local)
+                log.error(
+                    "ledger %s not uploaded; its events are kept in %s", self.url, self._local
+                )
 
     def __enter__(self) -> Ledger:
         return self

@@ -53,10 +53,18 @@ HEALTH_PATHS = {"s3": "/moto-api/", "mlflow": "/health", "prefect": "/api/health
 _MARKERS = {"s3": "moto.server", "mlflow": "mlflow", "prefect": "prefect"}  # in their argv
 # Never handed to the servers: settings that would point them elsewhere, and real credentials.
 _NOT_INHERITED = {
-    "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",
-    "PREFECT_API_URL", "PREFECT_API_KEY", "PREFECT_UI_API_URL", "PREFECT_SERVER_UI_API_URL",
-    "PREFECT_API_DATABASE_CONNECTION_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH",
-}  # fmt: skip
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "PREFECT_API_URL",
+    "PREFECT_API_KEY",
+    "PREFECT_UI_API_URL",
+    "PREFECT_SERVER_UI_API_URL",
+    "PREFECT_API_DATABASE_CONNECTION_URL",
+    "PREFECT_PROFILE",
+    "PREFECT_PROFILES_PATH",
+}
 # Meaningful to moto only; never real credentials.
 LOCAL_AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -191,10 +199,22 @@ def _command(name: str, port: int, state: Path, s3_endpoint: str | None, bucket:
     if name == "mlflow":
         if not s3_endpoint:
             raise StackError("the mlflow server needs the s3 service (its artifact store)")
-        argv = [py, "-m", "mlflow", "server", "--host", host, "--port", str(port),
-                "--workers", "1",
-                "--backend-store-uri", f"sqlite:///{state / 'mlflow.db'}",
-                "--artifacts-destination", f"s3://{bucket}/mlflow-artifacts"]  # fmt: skip
+        argv = [
+            py,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{state / 'mlflow.db'}",
+            "--artifacts-destination",
+            f"s3://{bucket}/mlflow-artifacts",
+        ]
         env = LOCAL_AWS_ENV | {
             "MLFLOW_S3_ENDPOINT_URL": s3_endpoint,
             "AWS_ENDPOINT_URL_S3": s3_endpoint,
@@ -237,9 +257,14 @@ def launch(
     log = state / f"{name}.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            argv, cwd=state, env=env, stdin=subprocess.DEVNULL, stdout=out,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            argv,
+            cwd=state,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     _children[proc.pid] = proc
     return Service(name, f"http://127.0.0.1:{port}", port, proc.pid, str(log))
 
@@ -452,8 +477,13 @@ def status(state_dir: str | Path = DEFAULT_STATE_DIR) -> dict[str, dict[str, obj
                 healthy = resp.status == 200
         except (OSError, ValueError):
             pass
-        out[name] = {"url": svc.url, "pid": svc.pid, "running": is_running(svc),
-                     "healthy": healthy, "log": svc.log}  # fmt: skip
+        out[name] = {
+            "url": svc.url,
+            "pid": svc.pid,
+            "running": is_running(svc),
+            "healthy": healthy,
+            "log": svc.log,
+        }
     return out
 
 

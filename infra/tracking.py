@@ -214,8 +214,11 @@ def start_job_run(config: JobConfig) -> str:
         resumes = int(run.data.tags.get("ett.resumes", "0")) + 1
         tags["ett.resumes"] = str(resumes)
         if changed:  # MLflow params are immutable: keep the first values, say what moved
-            log.warning("job %s resumed with changed params (kept the first): %s",
-                        config.job_id, ", ".join(changed))
+            log.warning(
+                "job %s resumed with changed params (kept the first): %s",
+                config.job_id,
+                ", ".join(changed),
+            )
             tags["ett.params_changed_on_resume"] = ",".join(changed)
         log.info("reusing MLflow run %s of job %s (resume %d)", run_id, config.job_id, resumes)
     _log_batches(client, run_id, params=new_params, tags=tags)
@@ -245,22 +248,36 @@ def log_attempt(
         filter_string=f"tags.`{PARENT_TAG}` = '{run_id}' and tags.{ATTEMPT_TAG} = '{attempt}'",
         max_results=1,
     )
-    params = {"attempt": str(attempt), "exit_code": str(exit_code), "cause": cause,
-              "last_step": str(last_step)}
+    params = {
+        "attempt": str(attempt),
+        "exit_code": str(exit_code),
+        "cause": cause,
+        "last_step": str(last_step),
+    }
     if found:
         child_id = found[0].info.run_id
         params = {k: v for k, v in params.items() if k not in found[0].data.params}
     else:
         job_id = parent.data.tags.get(JOB_ID_TAG, parent.info.run_name)
-        tags = {PARENT_TAG: run_id, ATTEMPT_TAG: str(attempt), KIND_TAG: "attempt",
-                "ett.parent_job_id": job_id}
+        tags = {
+            PARENT_TAG: run_id,
+            ATTEMPT_TAG: str(attempt),
+            KIND_TAG: "attempt",
+            "ett.parent_job_id": job_id,
+        }
         child_id = client.create_run(
-            parent.info.experiment_id, start_time=int(started * 1000), tags=tags,
+            parent.info.experiment_id,
+            start_time=int(started * 1000),
+            tags=tags,
             run_name=f"{job_id}-attempt{attempt}",
         ).info.run_id
     now = int(time.time() * 1000)
-    values = {"exit_code": float(exit_code), "duration_s": ended - started,
-              "started": started, "ended": ended}
+    values = {
+        "exit_code": float(exit_code),
+        "duration_s": ended - started,
+        "started": started,
+        "ended": ended,
+    }
     if last_step is not None:
         values["last_step"] = float(last_step)
     metrics = [Metric(k, v, now, 0) for k, v in values.items()]
@@ -275,9 +292,13 @@ def report_metrics(report: EttReport) -> dict[str, float]:
     """Scalar ETT metrics of a report, named as logged (``ett.`` prefix)."""
     m = dict(report.to_metrics())
     m.update({f"bucket_{k}_pct": v for k, v in report.bucket_pct().items()})
-    m.update(start_time=report.start_time, num_attempts=float(len(report.attempts)),
-             num_steps=float(report.num_steps), train_loop_s=report.train_loop_s,
-             finished=1.0 if report.finished else 0.0)
+    m.update(
+        start_time=report.start_time,
+        num_attempts=float(len(report.attempts)),
+        num_steps=float(report.num_steps),
+        train_loop_s=report.train_loop_s,
+        finished=1.0 if report.finished else 0.0,
+    )
     for name in ("checkpoint_interval_s", "commit_latency_s"):
         if getattr(report, name) is not None:
             m[name] = float(getattr(report, name))
@@ -285,15 +306,16 @@ def report_metrics(report: EttReport) -> dict[str, float]:
 
 
 def _history(report: EttReport, now: int) -> list[Metric]:
-    out = [Metric(f"{METRIC_PREFIX}time_to_recover_s", f.time_to_recover_s, now, i)
-           for i, f in enumerate(report.failures)]
+    out = [
+        Metric(f"{METRIC_PREFIX}time_to_recover_s", f.time_to_recover_s, now, i)
+        for i, f in enumerate(report.failures)
+    ]
     for ib in report.init:
         values = {f"init.{k}_s": v for k, v in ib.stages.items()}
         values["init.critical_path_s"] = ib.critical_path_s
         if ib.wall_s is not None:
             values["init.wall_s"] = ib.wall_s
-        out += [Metric(f"{METRIC_PREFIX}{k}", float(v), now, ib.attempt)
-                for k, v in values.items()]
+        out += [Metric(f"{METRIC_PREFIX}{k}", float(v), now, ib.attempt) for k, v in values.items()]
     return out
 
 

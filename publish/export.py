@@ -42,16 +42,35 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # definition only, never the training loop. tests/publish checks a bare process loads it.
 SERVING_CODE = {
     "infra": ("__init__.py", "settings.py"),
-    "trainer": ("__init__.py", "model.py", "towers.py", "data/__init__.py", "data/batch.py",
-                "attention/*.py"),
+    "trainer": (
+        "__init__.py",
+        "model.py",
+        "towers.py",
+        "data/__init__.py",
+        "data/batch.py",
+        "attention/*.py",
+    ),
     "publish": ("__init__.py", "serving.py"),
 }
 # Third-party packages it imports, pinned to this process's versions (never inferred: MLflow
 # would load the model in a subprocess to guess). TorchRec is installed without its deps
 # (DESIGN.md), so they are listed; whichever FBGEMM build is installed is kept.
-_REQUIREMENTS = ("torch", "fbgemm-gpu-cpu", "fbgemm-gpu", "torchrec", "tensordict",
-                 "pyre-extensions", "torchmetrics", "tqdm", "mlflow", "pandas", "numpy",
-                 "pydantic", "pydantic-settings", "pyyaml")
+_REQUIREMENTS = (
+    "torch",
+    "fbgemm-gpu-cpu",
+    "fbgemm-gpu",
+    "torchrec",
+    "tensordict",
+    "pyre-extensions",
+    "torchmetrics",
+    "tqdm",
+    "mlflow",
+    "pandas",
+    "numpy",
+    "pydantic",
+    "pydantic-settings",
+    "pyyaml",
+)
 
 
 @dataclass(frozen=True)
@@ -119,8 +138,11 @@ def open_publish_run(
                 experiment_id = client.get_experiment_by_name(
                     config.tracking.experiment
                 ).experiment_id  # type: ignore[union-attr]
-    tags = {"ett.role": "publish", "ett.job_id": ref.manifest.job_id or config.job_id,
-            "ett.anchor_key": ref.key}
+    tags = {
+        "ett.role": "publish",
+        "ett.job_id": ref.manifest.job_id or config.job_id,
+        "ett.anchor_key": ref.key,
+    }
     if training_run_id:
         tags["mlflow.parentRunId"] = training_run_id
         tags["ett.training_run_id"] = training_run_id

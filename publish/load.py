@@ -152,7 +152,9 @@ def load(ref: AnchorRef, config: JobConfig, workdir: str) -> LoadedAnchor:
     model.eval()
     log.info(
         "loaded %s (step %d, written by %d ranks) into one CPU process",
-        ref.uri, ref.step, ref.manifest.world_size,
+        ref.uri,
+        ref.step,
+        ref.manifest.world_size,
     )
     return LoadedAnchor(ref, config, model, local)
 

@@ -133,7 +133,10 @@ def register(
     else:
         try:
             version = client.create_model_version(
-                name, source=f"models:/{model_id}", run_id=run_id, tags=all_tags,
+                name,
+                source=f"models:/{model_id}",
+                run_id=run_id,
+                tags=all_tags,
                 model_id=model_id,
             )
         except MlflowException as exc:

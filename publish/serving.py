@@ -90,11 +90,17 @@ def frame_to_batch(frame: pd.DataFrame, data: DataConfig) -> Batch:
     dense = frame[dense_columns(data)].to_numpy(dtype=np.float32)
     if not np.isfinite(dense).all():
         raise ValueError("dense columns hold NaN or infinite values")
-    cat = np.stack(
-        [_ids(frame, name, vocab)
-         for name, vocab in zip(cat_feature_names(data), data.cat_vocab_sizes, strict=True)],
-        axis=1,
-    ) if len(frame) else np.zeros((0, len(data.cat_vocab_sizes)), np.int64)
+    cat = (
+        np.stack(
+            [
+                _ids(frame, name, vocab)
+                for name, vocab in zip(cat_feature_names(data), data.cat_vocab_sizes, strict=True)
+            ],
+            axis=1,
+        )
+        if len(frame)
+        else np.zeros((0, len(data.cat_vocab_sizes)), np.int64)
+    )
     item = _ids(frame, "item", data.item_vocab_size)
     keep = data.max_history_len
     histories = [np.asarray(h, dtype=np.int64)[-keep:] for h in frame["history"]]

@@ -47,11 +47,13 @@ def anchor_resource(job_id: str) -> dict[str, str]:
     return {"prefect.resource.id": f"{RESOURCE_PREFIX}{job_id}", "prefect.resource.name": job_id}
 
 
-def anchor_payload(
-    anchor: Anchor, job_id: str, mlflow_run_id: str | None
-) -> dict[str, Any]:
-    return {"uri": anchor.uri, "step": anchor.step, "job_id": job_id,
-            "mlflow_run_id": mlflow_run_id}  # fmt: skip
+def anchor_payload(anchor: Anchor, job_id: str, mlflow_run_id: str | None) -> dict[str, Any]:
+    return {
+        "uri": anchor.uri,
+        "step": anchor.step,
+        "job_id": job_id,
+        "mlflow_run_id": mlflow_run_id,
+    }
 
 
 @task(name="emit-anchor-committed", cache_policy=NO_CACHE)
@@ -68,9 +70,15 @@ def emit_anchor_committed(anchor: Anchor, job_id: str, mlflow_run_id: str | None
         log.error(
             "the %s event for %s was NOT emitted (events disabled or no events client): "
             "publish it by hand: prefect deployment run publish/publish -p uri=%s",
-            ANCHOR_EVENT, anchor.uri, anchor.uri,
-        )  # fmt: skip
+            ANCHOR_EVENT,
+            anchor.uri,
+            anchor.uri,
+        )
         return None
-    log.info("emitted %s for %s (step %d): publishing runs on its own", ANCHOR_EVENT,
-             anchor.uri, anchor.step)  # fmt: skip
+    log.info(
+        "emitted %s for %s (step %d): publishing runs on its own",
+        ANCHOR_EVENT,
+        anchor.uri,
+        anchor.step,
+    )
     return str(event.id)

@@ -58,7 +58,12 @@ def validate(pub: Publication) -> Publication:
     return pub
 
 
-@task(name="publish-register", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
-      retry_condition_fn=_transient)
+@task(
+    name="publish-register",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=_transient,
+)
 def register(pub: Publication) -> PublishResult:
     return pub.register()

@@ -43,10 +43,15 @@ def log_attempt(run_id: str | None, tracking_uri: str, report: AttemptReport) ->
         return
     try:
         tracking.log_attempt(
-            run_id, report.attempt, report.exit_code,
+            run_id,
+            report.attempt,
+            report.exit_code,
             "success" if not report.failed else ledger_cause(report.outcome),
-            report.started, report.ended, report.last_step, tracking_uri=tracking_uri,
-        )  # fmt: skip
+            report.started,
+            report.ended,
+            report.last_step,
+            tracking_uri=tracking_uri,
+        )
     except Exception as exc:  # noqa: BLE001
         logger().warning("could not log attempt %d to MLflow: %s", report.attempt, exc)
 
@@ -73,9 +78,13 @@ def report_job(
     if run_id is not None:
         try:
             tracking.log_job_report(
-                run_id, report, job_url, extra_metrics, tracking_uri=tracking_uri,
+                run_id,
+                report,
+                job_url,
+                extra_metrics,
+                tracking_uri=tracking_uri,
                 status="FINISHED" if succeeded else "FAILED",
-            )  # fmt: skip
+            )
         except Exception as exc:  # noqa: BLE001
             log.warning("could not log the ETT report to MLflow run %s: %s", run_id, exc)
     return {

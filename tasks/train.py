@@ -234,21 +234,29 @@ def launch_attempt(
         except BaseException as exc:  # cancelled (Prefect's TerminationSignal), interrupted
             stopped = stop_orphaned_attempt(command)
             cancelled = not isinstance(exc, Exception)
-            ledger.mark("failure", step=watcher.last_step,
-                        cause=ledger_cause(PREEMPTED if cancelled else CRASH), exit_code=None,
-                        outcome="cancelled" if cancelled else "launch_error",
-                        error=repr(exc)[:300], stopped_pids=stopped)  # fmt: skip
+            ledger.mark(
+                "failure",
+                step=watcher.last_step,
+                cause=ledger_cause(PREEMPTED if cancelled else CRASH),
+                exit_code=None,
+                outcome="cancelled" if cancelled else "launch_error",
+                error=repr(exc)[:300],
+                stopped_pids=stopped,
+            )
             raise
         outcome = classify(result.exit_code, watcher.worker_codes, result.hung)
         events = _attempt_events(job_url, attempt)
-        starts = [e.start for e in events
-                  if e.name == "attempt_start" and e.start >= result.started]  # fmt: skip
+        starts = [
+            e.start for e in events if e.name == "attempt_start" and e.start >= result.started
+        ]
         reached = min(starts) if starts else None
         # The trainer never marked its start: the launcher was still initialising when it died.
         ledger.record_span(
-            "launcher_init", result.started, reached if reached is not None else result.ended,
+            "launcher_init",
+            result.started,
+            reached if reached is not None else result.ended,
             reached_trainer=reached is not None,
-        )  # fmt: skip
+        )
         steps = [e.step for e in events if e.name == "train_step" and e.step is not None]
         last_step = max(steps, default=watcher.last_step)
         code = watcher.worker_codes[0] if watcher.worker_codes else result.exit_code
@@ -265,9 +273,13 @@ def launch_attempt(
         )
         if report.failed:
             ledger.mark(
-                "failure", step=last_step, t=result.ended, cause=ledger_cause(outcome),
-                exit_code=code, outcome=outcome,
-            )  # fmt: skip
+                "failure",
+                step=last_step,
+                t=result.ended,
+                cause=ledger_cause(outcome),
+                exit_code=code,
+                outcome=outcome,
+            )
         return report
     finally:
         ledger.close()
@@ -324,8 +336,11 @@ class JobOutcome:
         return sum(1 for a in self.attempts if a.outcome == PREEMPTED)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"succeeded": self.succeeded, "message": self.message,
-                "attempts": [asdict(a) for a in self.attempts]}  # fmt: skip
+        return {
+            "succeeded": self.succeeded,
+            "message": self.message,
+            "attempts": [asdict(a) for a in self.attempts],
+        }
 
 
 def run_attempts(
@@ -346,25 +361,45 @@ def run_attempts(
         if on_attempt is not None:
             on_attempt(report)
         if report.outcome == SUCCESS:
-            return JobOutcome(True, f"succeeded on attempt {attempt} after {failures} "
-                              f"failure(s) and {preemptions} preemption(s)", tuple(reports))
+            return JobOutcome(
+                True,
+                f"succeeded on attempt {attempt} after {failures} "
+                f"failure(s) and {preemptions} preemption(s)",
+                tuple(reports),
+            )
         if report.fatal:
-            return JobOutcome(False, f"{report.describe()}: not retried, a relaunch cannot "
-                              "fix a bad config or an incompatible checkpoint", tuple(reports))
+            return JobOutcome(
+                False,
+                f"{report.describe()}: not retried, a relaunch cannot "
+                "fix a bad config or an incompatible checkpoint",
+                tuple(reports),
+            )
         if report.outcome == PREEMPTED:
             preemptions += 1
             if preemptions > policy.max_preemptions:
-                return JobOutcome(False, f"preempted {preemptions} times, more than "
-                                  f"max_preemptions={policy.max_preemptions}", tuple(reports))
+                return JobOutcome(
+                    False,
+                    f"preempted {preemptions} times, more than "
+                    f"max_preemptions={policy.max_preemptions}",
+                    tuple(reports),
+                )
         else:
             failures += 1
             if failures > policy.max_failures:
-                return JobOutcome(False, f"{failures} failures exceed max_failures="
-                                  f"{policy.max_failures}; last {report.describe()}",
-                                  tuple(reports))  # fmt: skip
+                return JobOutcome(
+                    False,
+                    f"{failures} failures exceed max_failures="
+                    f"{policy.max_failures}; last {report.describe()}",
+                    tuple(reports),
+                )
         delay = policy.delay_s(report.outcome, failures)
-        log.warning("%s; relaunching from the latest committed checkpoint in %.1f s "
-                    "(failures %d/%d)", report.describe(), delay, failures, policy.max_failures)
+        log.warning(
+            "%s; relaunching from the latest committed checkpoint in %.1f s (failures %d/%d)",
+            report.describe(),
+            delay,
+            failures,
+            policy.max_failures,
+        )
         if delay > 0:
             sleep(delay)
         attempt += 1
@@ -373,8 +408,11 @@ def run_attempts(
 def next_attempt(job_url: str) -> int:
     """One past the highest attempt in the job's ledger (0 for a new job), so a job that is
     run again continues its numbering and its ETT report covers every attempt."""
-    numbers = [int(m.group(1)) for url in storage.glob(storage.join(ledger_url(job_url), "*.jsonl"))
-               if (m := _ATTEMPT_FILE.search(url))]  # fmt: skip
+    numbers = [
+        int(m.group(1))
+        for url in storage.glob(storage.join(ledger_url(job_url), "*.jsonl"))
+        if (m := _ATTEMPT_FILE.search(url))
+    ]
     return max(numbers) + 1 if numbers else 0
 
 
@@ -415,8 +453,11 @@ def ensure_data(config_path: str, data_url: str) -> bool:
     if proc.returncode != 0 and not complete:
         raise RuntimeError(f"`ett generate` failed with exit code {proc.returncode}")
     if proc.returncode != 0:
-        log.warning("`ett generate` exited %d after writing a complete data set at %s",
-                    proc.returncode, data_url)  # fmt: skip
+        log.warning(
+            "`ett generate` exited %d after writing a complete data set at %s",
+            proc.returncode,
+            data_url,
+        )
     return True
 
 

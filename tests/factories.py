@@ -31,8 +31,7 @@ def tiny_config(tmp_path: Path, **sections: Any) -> JobConfig:
         # Eager: each test has its own storage root, so compiling would start cold in every
         # trainer process (~50 s); tests/trainer/test_startup.py and test_compile_cache.py
         # cover the compiled default.
-        "train": {"steps": 20, "eval_every": 0, "eval_rows": 512, "log_every": 5,
-                  "compile": False},
+        "train": {"steps": 20, "eval_every": 0, "eval_rows": 512, "log_every": 5, "compile": False},
         "checkpoint": {"mode": "async_staged", "every_steps": 5, "keep_latest_k": 3},
         "tracking": {"mlflow_uri": f"sqlite:///{tmp_path}/mlflow.db"},
     }
@@ -51,7 +50,10 @@ def write_dataset(config: JobConfig) -> dict[str, Any]:
 
 
 def run_trainer(
-    config: JobConfig, tmp_path: Path, nproc: int = 1, env: dict[str, str] | None = None,
+    config: JobConfig,
+    tmp_path: Path,
+    nproc: int = 1,
+    env: dict[str, str] | None = None,
     timeout: float = 300,
 ) -> subprocess.CompletedProcess[str]:
     """One attempt under torchrun, as the orchestrator would launch it."""

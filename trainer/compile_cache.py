@@ -138,8 +138,11 @@ class CacheResult:
     info: dict[str, Any] = field(default_factory=dict)
 
     def attrs(self, prefix: str) -> dict[str, Any]:
-        out = {f"{prefix}_status": self.status, f"{prefix}_s": round(self.seconds, 4),
-               f"{prefix}_bytes": self.bytes}
+        out = {
+            f"{prefix}_status": self.status,
+            f"{prefix}_s": round(self.seconds, 4),
+            f"{prefix}_bytes": self.bytes,
+        }
         if self.detail:
             out[f"{prefix}_detail"] = self.detail[:300]
         return out
@@ -173,13 +176,13 @@ class CompileCache:
             result = CacheResult("error", detail=f"{type(exc).__name__}: {exc}")
         result.seconds = time.perf_counter() - t0
         if result.status == "hit":
-            log.info("compile cache hit %s (%d bytes, %.2f s)", self.url, result.bytes,
-                     result.seconds)
+            log.info(
+                "compile cache hit %s (%d bytes, %.2f s)", self.url, result.bytes, result.seconds
+            )
         elif result.status == "miss":
             log.info("compile cache miss %s: compiling cold", self.url)
         else:
-            log.warning("compile cache %s skipped (%s): %s", self.url, result.status,
-                        result.detail)
+            log.warning("compile cache %s skipped (%s): %s", self.url, result.status, result.detail)
         return result
 
     def _load(self) -> CacheResult:
@@ -191,8 +194,11 @@ class CompileCache:
         except (ValueError, UnicodeDecodeError) as exc:
             return CacheResult("corrupt", detail=f"{manifest_url}: unreadable manifest: {exc}")
         if manifest.get("key") != self.key or manifest.get("parts") != self.parts:
-            return CacheResult("mismatch", detail=f"{manifest_url} was made for "
-                               f"{manifest.get('parts')}, this process needs {self.parts}")
+            return CacheResult(
+                "mismatch",
+                detail=f"{manifest_url} was made for "
+                f"{manifest.get('parts')}, this process needs {self.parts}",
+            )
         files = manifest.get("files", {})
         if set(files) != {"inductor", "megacache"}:
             return CacheResult("corrupt", detail=f"{manifest_url}: files {sorted(files)}")
@@ -202,8 +208,10 @@ class CompileCache:
                 path = os.path.join(tmp, os.path.basename(entry["name"]))
                 storage.get_file(storage.join(self.url, entry["name"]), path)
                 if os.path.getsize(path) != entry["size"] or _sha256(path) != entry["sha256"]:
-                    return CacheResult("corrupt", detail=f"{entry['name']}: size or checksum "
-                                       "differs from the manifest")
+                    return CacheResult(
+                        "corrupt",
+                        detail=f"{entry['name']}: size or checksum differs from the manifest",
+                    )
                 local[role] = path
             with tarfile.open(local["inductor"]) as tar:
                 tar.extractall(self.local_dir, filter="data")
@@ -224,11 +232,16 @@ class CompileCache:
             result = CacheResult("error", detail=f"{type(exc).__name__}: {exc}")
         result.seconds = time.perf_counter() - t0
         if result.status == "saved":
-            log.info("compile cache saved to %s (%d bytes, %.2f s)", self.url, result.bytes,
-                     result.seconds)
+            log.info(
+                "compile cache saved to %s (%d bytes, %.2f s)",
+                self.url,
+                result.bytes,
+                result.seconds,
+            )
         else:
-            log.warning("compile cache not saved to %s (%s): %s", self.url, result.status,
-                        result.detail)
+            log.warning(
+                "compile cache not saved to %s (%s): %s", self.url, result.status, result.detail
+            )
         self.saved = result
         return result
 
@@ -236,8 +249,10 @@ class CompileCache:
         artifacts = torch.compiler.save_cache_artifacts()
         blob = artifacts[0] if artifacts is not None else b""
         with tempfile.TemporaryDirectory(prefix="ett-ccache-") as tmp:
-            paths = {"megacache": os.path.join(tmp, "megacache.bin"),
-                     "inductor": os.path.join(tmp, "inductor.tar")}
+            paths = {
+                "megacache": os.path.join(tmp, "megacache.bin"),
+                "inductor": os.path.join(tmp, "inductor.tar"),
+            }
             with open(paths["megacache"], "wb") as fh:
                 fh.write(blob)
             count = self._snapshot(paths["inductor"])
@@ -250,8 +265,14 @@ class CompileCache:
                 name = f"{role}-{digest[:12]}.{ext}"
                 storage.put_file(path, storage.join(self.url, name))
                 files[role] = {"name": name, "size": os.path.getsize(path), "sha256": digest}
-        manifest = {"version": CACHE_FORMAT, "key": self.key, "parts": self.parts,
-                    "created": time.time(), "files": files, "inductor_files": count}
+        manifest = {
+            "version": CACHE_FORMAT,
+            "key": self.key,
+            "parts": self.parts,
+            "created": time.time(),
+            "files": files,
+            "inductor_files": count,
+        }
         storage.write_text(storage.join(self.url, MANIFEST), json.dumps(manifest, indent=2))
         self._prune({f["name"] for f in files.values()})
         return CacheResult("saved", bytes=sum(f["size"] for f in files.values()))
@@ -276,8 +297,10 @@ class CompileCache:
     def _prune(self, keep: set[str]) -> None:
         """Drop blobs of older saves (a concurrent writer's blobs lose to the last manifest)."""
         for name in storage.listdir(self.url):
-            if name != MANIFEST and name not in keep and name.split("-", 1)[0] in (
-                "inductor", "megacache"
+            if (
+                name != MANIFEST
+                and name not in keep
+                and name.split("-", 1)[0] in ("inductor", "megacache")
             ):
                 try:
                     storage.remove(storage.join(self.url, name))

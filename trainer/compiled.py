@@ -63,8 +63,12 @@ def batch_sources(cls: type[nn.Module] = DenseInteraction) -> str:
 
 def compile_options() -> dict[str, Any]:
     """What the compiled code depends on besides the model and the software (cache key)."""
-    return {"backend": "inductor", "target": DenseInteraction.__qualname__,
-            "unbacked": batch_sources(), "dtype": "float32"}
+    return {
+        "backend": "inductor",
+        "target": DenseInteraction.__qualname__,
+        "unbacked": batch_sources(),
+        "dtype": "float32",
+    }
 
 
 def configure(job_id: str | None) -> None:
@@ -161,8 +165,10 @@ def _cache_counts(counters: Any) -> dict[str, int]:
     """Compile-cache hits and misses so far (AOTAutograd and inductor FX-graph caches)."""
     aot, ind = counters["aot_autograd"], counters["inductor"]
     return {
-        "aot_cache_hit": aot["autograd_cache_hit"], "aot_cache_miss": aot["autograd_cache_miss"],
-        "fx_cache_hit": ind["fxgraph_cache_hit"], "fx_cache_miss": ind["fxgraph_cache_miss"],
+        "aot_cache_hit": aot["autograd_cache_hit"],
+        "aot_cache_miss": aot["autograd_cache_miss"],
+        "fx_cache_hit": ind["fxgraph_cache_hit"],
+        "fx_cache_miss": ind["fxgraph_cache_miss"],
     }
 
 
@@ -186,8 +192,12 @@ class RecompileWatcher(logging.Handler):
             reasons = [line[2:] for line in lines if line.startswith("- ")]
             where = lines[0].removeprefix("Recompiling function ") if lines else ""
             self.count[self.phase] = self.count.get(self.phase, 0) + 1
-            self.ledger.mark("recompile", phase=self.phase, function=where[:200],
-                             reason="; ".join(reasons)[:1000])
+            self.ledger.mark(
+                "recompile",
+                phase=self.phase,
+                function=where[:200],
+                reason="; ".join(reasons)[:1000],
+            )
         except Exception:  # a log handler must never raise into the compiler
             self.handleError(record)
 

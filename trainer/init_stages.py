@@ -137,15 +137,20 @@ def initialize(config: JobConfig, ledger: Ledger) -> Components:
         if state.enabled:
             target = compiled.dense_module(model)
             if copy is not None and not compiled.same_structure(copy, target):
-                log.warning("the warm-up copy differs from the model's interaction: the "
-                            "first step will compile")
+                log.warning(
+                    "the warm-up copy differs from the model's interaction: the "
+                    "first step will compile"
+                )
             compiled.compile_in_place(target)
         return model, optimizer
 
     def plugins(r: dict, attrs: dict) -> tuple[list[Batch], FaultInjector, Checkpointer]:
         env, ckpt_group = r["process_group_init"]
         holdout = holdout_batches(
-            config.data, env.rank, env.world_size, config.train.eval_rows,
+            config.data,
+            env.rank,
+            env.world_size,
+            config.train.eval_rows,
             config.data.eval_batch_size,
         )
         faults = FaultInjector(config.faults, ledger.attempt, env.rank)
@@ -194,10 +199,16 @@ def initialize(config: JobConfig, ledger: Ledger) -> Components:
         return guess, batches, next(batches) if step < config.train.steps else None
 
     # In serial order; "pre_train" stages carry their key as the span's "stage" attr.
-    fns = {"process_group_init": process_group, "preproc_creation": preproc,
-           "train_module_creation": train_module, "init_plugins": plugins,
-           "restore": restore_stage, "compile_cache_load": cache_load, "compile": warm_up,
-           "get_first_batch_data": first_batch}
+    fns = {
+        "process_group_init": process_group,
+        "preproc_creation": preproc,
+        "train_module_creation": train_module,
+        "init_plugins": plugins,
+        "restore": restore_stage,
+        "compile_cache_load": cache_load,
+        "compile": warm_up,
+        "get_first_batch_data": first_batch,
+    }
     keys = list(fns) if state.enabled else [k for k in fns if not k.startswith("compile")]
     stages = []
     for key in keys:

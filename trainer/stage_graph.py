@@ -75,8 +75,9 @@ def run_stages(
             if error is None and all(d in results for d in stage.deps):
                 del pending[key]
                 running.add(key)
-                threading.Thread(target=worker, args=(stage,), name=f"init-{key}",
-                                 daemon=True).start()
+                threading.Thread(
+                    target=worker, args=(stage,), name=f"init-{key}", daemon=True
+                ).start()
         if not running:
             raise RuntimeError(f"init stages cannot start: {sorted(pending)}")
         while True:
@@ -89,8 +90,7 @@ def run_stages(
         if exc is not None and error is None:
             error = exc
             if running:
-                log.warning("init stage %s failed; waiting for %s to finish", key,
-                            sorted(running))
+                log.warning("init stage %s failed; waiting for %s to finish", key, sorted(running))
         elif exc is None:
             results[key] = value
     if error is not None:

@@ -199,9 +199,12 @@ def _train(config: JobConfig, ledger: Ledger, preemption: Preemption) -> int:
     finally:
         checkpointer.close()
     if anchor_failed:  # the model of this job is not saved: let the orchestrator retry
-        log.error("the anchor checkpoint at step %d did not commit; exiting %d so the attempt "
-                  "is retried from the newest committed checkpoint", step,
-                  exit_codes.ANCHOR_NOT_SAVED)
+        log.error(
+            "the anchor checkpoint at step %d did not commit; exiting %d so the attempt "
+            "is retried from the newest committed checkpoint",
+            step,
+            exit_codes.ANCHOR_NOT_SAVED,
+        )
         return exit_codes.ANCHOR_NOT_SAVED
     ledger.mark("job_end", step=step)
     return exit_codes.SUCCESS

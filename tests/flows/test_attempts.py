@@ -45,8 +45,10 @@ def test_classify(exit_code: int, workers: list[int], hung: bool, expected: str)
 
 
 def test_ledger_cause_vocabulary() -> None:
-    causes = {t.ledger_cause(o) for o in (t.CRASH, t.SIGKILL, t.PREEMPTED, t.HANG,
-                                          t.BAD_CONFIG, t.INCOMPATIBLE)}  # fmt: skip
+    causes = {
+        t.ledger_cause(o)
+        for o in (t.CRASH, t.SIGKILL, t.PREEMPTED, t.HANG, t.BAD_CONFIG, t.INCOMPATIBLE)
+    }
     assert causes == {"crash", "sigkill", "preempted", "hang"}
 
 
@@ -95,16 +97,20 @@ def _run(tmp_path: Path, faults: list[dict], policy: t.RetryPolicy, **kw):
     sleeps: list[float] = []
     scheduled = (time.time() - 3.0, time.time())
     outcome = t.run_attempts(
-        lambda a: t.launch_attempt(config.job_url, command, a, scheduling=scheduled if a == 0
-                                   else None, **kw),
-        policy=policy, sleep=sleeps.append,
-    )  # fmt: skip
+        lambda a: t.launch_attempt(
+            config.job_url, command, a, scheduling=scheduled if a == 0 else None, **kw
+        ),
+        policy=policy,
+        sleep=sleeps.append,
+    )
     return config, outcome, sleeps
 
 
 def test_loop_recovers_from_sigkill_and_preemption(tmp_path: Path) -> None:
-    faults = [{"kind": "sigkill", "step": 7, "attempt": 0},
-              {"kind": "sigterm", "step": 13, "attempt": 1}]  # fmt: skip
+    faults = [
+        {"kind": "sigkill", "step": 7, "attempt": 0},
+        {"kind": "sigterm", "step": 13, "attempt": 1},
+    ]
     config, outcome, sleeps = _run(tmp_path, faults, t.RetryPolicy(max_failures=1, backoff_s=3))
 
     assert outcome.succeeded, outcome.message
@@ -117,7 +123,9 @@ def test_loop_recovers_from_sigkill_and_preemption(tmp_path: Path) -> None:
     events = read_events(config.job_url)
     marks = [e for e in events if e.name == "failure"]
     assert [(e.attempt, e.attrs["cause"], e.step, e.attrs["exit_code"]) for e in marks] == [
-        (0, "sigkill", 6, -9), (1, "preempted", 13, exit_codes.PREEMPTED)]
+        (0, "sigkill", 6, -9),
+        (1, "preempted", 13, exit_codes.PREEMPTED),
+    ]
     inits = {e.attempt: e for e in events if e.name == "launcher_init"}
     starts = {e.attempt: e for e in events if e.name == "attempt_start"}
     assert sorted(inits) == [0, 1, 2]
@@ -195,7 +203,10 @@ def test_torchrun_exit_codes_are_read_from_its_summary(tmp_path: Path) -> None:
     env = {"OMP_NUM_THREADS": "1"}
     first = t.launch_attempt(config.job_url, command, 0, env=env)
     assert (first.launcher_exit_code, first.exit_code, first.outcome) == (
-        1, exit_codes.PREEMPTED, t.PREEMPTED)
+        1,
+        exit_codes.PREEMPTED,
+        t.PREEMPTED,
+    )
     second = t.launch_attempt(config.job_url, command, 1, env=env)
     assert second.outcome == t.SUCCESS and second.last_step == 6
     assert os.path.exists(tmp_path / "store" / "jobs" / config.job_id / "fake_ckpt.txt")

@@ -53,8 +53,14 @@ RUN_TIMEOUT_S = 420
 
 
 def _prefect(*args: str, timeout: float = 300) -> str:
-    proc = subprocess.run([PREFECT, "--no-prompt", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=os.environ.copy())  # fmt: skip
+    proc = subprocess.run(
+        [PREFECT, "--no-prompt", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=os.environ.copy(),
+    )
     assert proc.returncode == 0, f"prefect {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
@@ -68,13 +74,22 @@ def worker(
     """Deployments from prefect.yaml and a process worker; yields the worker's log file."""
     _create_pool()
     log = tmp_path_factory.mktemp("worker") / "worker.log"
-    env = {**os.environ, "PREFECT_WORKER_QUERY_SECONDS": "2", "PYTHONPATH": str(ROOT),
-           "OMP_NUM_THREADS": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
     with open(log, "wb") as fh:  # the worker boots while the flows are deployed
         proc = subprocess.Popen(
-            [PREFECT, "worker", "start", "--pool", POOL], cwd=ROOT, env=env, stdout=fh,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            [PREFECT, "worker", "start", "--pool", POOL],
+            cwd=ROOT,
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         out = _prefect("deploy", "--all")
         for name in ("train/train", "retrain/retrain", "publish/publish", "ett-report/ett-report"):
@@ -95,8 +110,9 @@ def _create_pool() -> None:
     from prefect.exceptions import ObjectAlreadyExists
     from prefect.workers.process import ProcessWorker
 
-    pool = WorkPoolCreate(name=POOL, type="process",
-                          base_job_template=ProcessWorker.get_default_base_job_template())
+    pool = WorkPoolCreate(
+        name=POOL, type="process", base_job_template=ProcessWorker.get_default_base_job_template()
+    )
     with get_client(sync_client=True) as client, contextlib.suppress(ObjectAlreadyExists):
         client.create_work_pool(pool)
 
@@ -114,10 +130,12 @@ def _config(tmp_path: Path, job_id: str, mlflow_uri: str, **sections: Any):
 
 
 def _run(name: str, parameters: dict[str, Any], worker_log: Path):
-    flow_run = run_deployment(name, parameters=parameters, timeout=RUN_TIMEOUT_S,
-                              poll_interval=2, as_subflow=False)  # fmt: skip
+    flow_run = run_deployment(
+        name, parameters=parameters, timeout=RUN_TIMEOUT_S, poll_interval=2, as_subflow=False
+    )
     assert flow_run.state is not None and flow_run.state.is_completed(), (
-        f"{name} ended {flow_run.state}; worker log:\n{worker_log.read_text()[-8000:]}")
+        f"{name} ended {flow_run.state}; worker log:\n{worker_log.read_text()[-8000:]}"
+    )
     return flow_run
 
 
@@ -134,8 +152,10 @@ def _publish_run_for(job_id: str, since: Any, worker_log: Path, timeout_s: float
             if mine and mine[0].state is not None and mine[0].state.is_final():
                 return mine[0]
             time.sleep(2)
-    raise AssertionError(f"no finished publish run for {job_id} within {timeout_s} s; "
-                         f"worker log:\n{worker_log.read_text()[-8000:]}")
+    raise AssertionError(
+        f"no finished publish run for {job_id} within {timeout_s} s; "
+        f"worker log:\n{worker_log.read_text()[-8000:]}"
+    )
 
 
 def _scheduled_runs(deployment_id: Any, timeout_s: float = 90) -> list[Any]:
@@ -144,26 +164,35 @@ def _scheduled_runs(deployment_id: Any, timeout_s: float = 90) -> list[Any]:
     with get_client(sync_client=True) as client:
         while True:
             runs = client.read_flow_runs(
-                flow_filter=FlowFilter(name=FlowFilterName(any_=["retrain"])))
-            found = [r for r in runs if r.deployment_id == deployment_id
-                     and r.state is not None and r.state.is_scheduled()]  # fmt: skip
+                flow_filter=FlowFilter(name=FlowFilterName(any_=["retrain"]))
+            )
+            found = [
+                r
+                for r in runs
+                if r.deployment_id == deployment_id
+                and r.state is not None
+                and r.state.is_scheduled()
+            ]
             if found or time.monotonic() > deadline:
                 return found
             time.sleep(3)
 
 
 def test_train_recovers_and_publishing_runs_from_the_trigger(
-    tmp_path: Path, worker: Path, mlflow_server: str  # noqa: F811
+    tmp_path: Path,
+    worker: Path,
+    mlflow_server: str,  # noqa: F811
 ) -> None:
     config = _config(tmp_path, "e2e-train", mlflow_server)
     write_dataset(config)
     path = tmp_path / "job.yaml"
     dump_config(config, path)
-    faults = [{"kind": "sigkill", "step": 12, "attempt": 0},
-              {"kind": "sigterm", "step": 22, "attempt": 1}]  # fmt: skip
+    faults = [
+        {"kind": "sigkill", "step": 12, "attempt": 0},
+        {"kind": "sigterm", "step": 22, "attempt": 1},
+    ]
 
-    train = _run("train/train", {"config": str(path), "faults": faults, "backoff_s": 1.0},
-                 worker)  # fmt: skip
+    train = _run("train/train", {"config": str(path), "faults": faults, "backoff_s": 1.0}, worker)
     publish = _publish_run_for(config.job_id, train.start_time, worker)
 
     assert publish.state.is_completed(), publish.state
@@ -189,7 +218,9 @@ def test_train_recovers_and_publishing_runs_from_the_trigger(
 
 
 def test_retrain_is_scheduled_and_warm_starts_from_the_champion(
-    tmp_path: Path, worker: Path, mlflow_server: str  # noqa: F811
+    tmp_path: Path,
+    worker: Path,
+    mlflow_server: str,  # noqa: F811
 ) -> None:
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("retrain/retrain")
@@ -201,8 +232,11 @@ def test_retrain_is_scheduled_and_warm_starts_from_the_champion(
     anchor_uri = champion.tags["anchor_uri"]
     config = _config(tmp_path, "e2e-retrain", mlflow_server)
     root = tmp_path / "daily"
-    write_dataset(config.model_copy(update={"data": config.data.model_copy(
-        update={"url": f"file://{root}/dt=2026-11-29"})}))  # fmt: skip
+    write_dataset(
+        config.model_copy(
+            update={"data": config.data.model_copy(update={"url": f"file://{root}/dt=2026-11-29"})}
+        )
+    )
     (root / "dt=2026-11-28").mkdir()
     (root / "dt=2026-11-28" / "_SUCCESS").touch()  # complete, but older
     (root / "dt=2026-11-30").mkdir()
@@ -210,8 +244,16 @@ def test_retrain_is_scheduled_and_warm_starts_from_the_champion(
     path = tmp_path / "job.yaml"
     dump_config(config, path)
 
-    retrain = _run("retrain/retrain", {"config": str(path), "data_root": f"file://{root}",
-                                       "job_prefix": "e2e-retrain", "backoff_s": 1.0}, worker)
+    retrain = _run(
+        "retrain/retrain",
+        {
+            "config": str(path),
+            "data_root": f"file://{root}",
+            "job_prefix": "e2e-retrain",
+            "backoff_s": 1.0,
+        },
+        worker,
+    )
     job_id = "e2e-retrain-2026-11-29"
     publish = _publish_run_for(job_id, retrain.start_time, worker)
     assert publish.state.is_completed(), publish.state
@@ -220,7 +262,8 @@ def test_retrain_is_scheduled_and_warm_starts_from_the_champion(
         query = LogFilterTextSearch(query="warm-started")
         logs = client.read_logs(log_filter=LogFilter(text=query))
     assert any(f"warm-started the model from {anchor_uri}" in log.message for log in logs), [
-        log.message for log in logs]
+        log.message for log in logs
+    ]
     assert _scheduled_runs(deployment.id), "the scheduler service made no retrain run"
     # publishing decided: the retrained model is the candidate (champion if not worse)
     candidate = ml.get_model_version_by_alias(MODEL, "candidate")

@@ -38,8 +38,9 @@ def test_champion_anchor(tmp_path: Path) -> None:
     assert champion_anchor.fn(uri, "ranker") is None  # no registered model: cold start
     client = MlflowClient(uri)
     client.create_registered_model("ranker")
-    v1 = client.create_model_version("ranker", source="file:///m1",
-                                     tags={"anchor_uri": "s3://b/jobs/a/checkpoints/step-1"})
+    v1 = client.create_model_version(
+        "ranker", source="file:///m1", tags={"anchor_uri": "s3://b/jobs/a/checkpoints/step-1"}
+    )
     assert champion_anchor.fn(uri, "ranker") is None  # a version, but no champion yet
     client.set_registered_model_alias("ranker", "champion", v1.version)
     assert champion_anchor.fn(uri, "ranker") == "s3://b/jobs/a/checkpoints/step-1"

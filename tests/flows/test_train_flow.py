@@ -46,8 +46,11 @@ def events(monkeypatch: pytest.MonkeyPatch) -> Iterator[EventsWorker]:
 
 @pytest.fixture
 def fake_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(train_module, "torchrun_command",
-                        lambda path, nproc=1: [sys.executable, FAKE, "--config", path])
+    monkeypatch.setattr(
+        train_module,
+        "torchrun_command",
+        lambda path, nproc=1: [sys.executable, FAKE, "--config", path],
+    )
 
 
 def _anchor_events(worker: EventsWorker) -> list:
@@ -83,8 +86,12 @@ def test_train_flow_recovers_emits_anchor_and_reports(
     assert len(anchor_events) == 1
     event = anchor_events[0]
     assert event.resource.id == "ett.checkpoint.flow-ok"
-    assert event.payload == {"uri": result["anchor"]["uri"], "step": 20, "job_id": "flow-ok",
-                             "mlflow_run_id": result["mlflow_run_id"]}  # fmt: skip
+    assert event.payload == {
+        "uri": result["anchor"]["uri"],
+        "step": 20,
+        "job_id": "flow-ok",
+        "mlflow_run_id": result["mlflow_run_id"],
+    }
 
     progress = _artifact(artifact_key("train-progress", "flow-ok"))
     assert progress.type == "progress" and float(progress.data) == 100.0
@@ -95,8 +102,9 @@ def test_train_flow_recovers_emits_anchor_and_reports(
     run = ml.get_run(result["mlflow_run_id"])
     assert run.info.status == "FINISHED"
     assert run.data.metrics["ett.num_failures"] == 1.0
-    children = ml.search_runs([run.info.experiment_id],
-                              f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")  # fmt: skip
+    children = ml.search_runs(
+        [run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run.info.run_id}'"
+    )
     assert sorted(c.data.tags["cause"] for c in children) == ["crash", "success"]
 
 
@@ -108,8 +116,9 @@ def test_train_flow_fails_clearly_and_still_reports(
     dump_config(config, path)
     faults = [{"kind": "crash", "step": 3, "attempt": a} for a in range(2)]
 
-    state = train_module.train_flow(config=str(path), faults=faults, max_failures=1,
-                                    backoff_s=0.1, return_state=True)  # fmt: skip
+    state = train_module.train_flow(
+        config=str(path), faults=faults, max_failures=1, backoff_s=0.1, return_state=True
+    )
 
     assert state.is_failed()
     with pytest.raises(train_module.TrainingFailed, match="2 failures exceed max_failures=1"):
@@ -123,7 +132,10 @@ def test_train_flow_fails_clearly_and_still_reports(
     assert [r.info.status for r in runs] == ["FAILED"]
     assert runs[0].data.metrics["ett.num_failures"] == 2.0
 
-    fleet = ett_report_flow(tracking_uri=config.tracking.mlflow_uri,
-                            experiment=config.tracking.experiment, out_dir=str(tmp_path / "fleet"))
+    fleet = ett_report_flow(
+        tracking_uri=config.tracking.mlflow_uri,
+        experiment=config.tracking.experiment,
+        out_dir=str(tmp_path / "fleet"),
+    )
     assert fleet["jobs"] == 1 and Path(fleet["files"]["md"]).is_file()
     assert "flow-bad" in _artifact(artifact_key("ett-fleet", config.tracking.experiment)).data

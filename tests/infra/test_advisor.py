@@ -60,8 +60,17 @@ def test_advise_from_report(tmp_path) -> None:
 
 # -- simulator: hand-computed replays ---------------------------------------------------
 def _total(r: SimResult) -> float:
-    return math.fsum([r.effective_s, r.wasted_s, r.blocking_s, r.startup_s, r.recovery_s,
-                      r.shutdown_s, r.other_s])
+    return math.fsum(
+        [
+            r.effective_s,
+            r.wasted_s,
+            r.blocking_s,
+            r.startup_s,
+            r.recovery_s,
+            r.shutdown_s,
+            r.other_s,
+        ]
+    )
 
 
 def test_replay_hand_computed_sync() -> None:
@@ -92,10 +101,16 @@ def test_async_upload_wait_and_late_commit() -> None:
 def test_replay_accounts_every_second_and_mc_is_seeded() -> None:
     rng = random.Random(5)
     for _ in range(200):
-        m = JobModel(work_s=rng.uniform(10, 1e4), interval_s=rng.uniform(1, 500),
-                     blocking_s=rng.uniform(0, 30), upload_s=rng.choice([0, rng.uniform(0, 600)]),
-                     startup_s=rng.uniform(0, 100), restart_s=rng.uniform(0, 300),
-                     shutdown_s=rng.uniform(0, 50), loop_overhead=rng.uniform(0, 0.2))
+        m = JobModel(
+            work_s=rng.uniform(10, 1e4),
+            interval_s=rng.uniform(1, 500),
+            blocking_s=rng.uniform(0, 30),
+            upload_s=rng.choice([0, rng.uniform(0, 600)]),
+            startup_s=rng.uniform(0, 100),
+            restart_s=rng.uniform(0, 300),
+            shutdown_s=rng.uniform(0, 50),
+            loop_overhead=rng.uniform(0, 0.2),
+        )
         fails = sorted(rng.uniform(0, 3e4) for _ in range(rng.randint(0, 8)))
         r = replay(m, fails)
         assert _total(r) == pytest.approx(r.wall_s, rel=1e-9)

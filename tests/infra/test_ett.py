@@ -46,9 +46,13 @@ def _write_job(job_url: str) -> None:
     orch0.record_span("launcher_init", T0 + 2, T0 + 5)
     with Ledger(job_url, attempt=0, clock=clock) as tr:
         tr.mark("attempt_start", t=T0 + 3)
-        for name, s, e in [("device_init", 3, 4), ("process_group_init", 4, 6),
-                           ("train_module_creation", 6, 8), ("pre_train", 7, 9),
-                           ("get_first_batch_data", 9, 10)]:
+        for name, s, e in [
+            ("device_init", 3, 4),
+            ("process_group_init", 4, 6),
+            ("train_module_creation", 6, 8),
+            ("pre_train", 7, 9),
+            ("get_first_batch_data", 9, 10),
+        ]:
             tr.record_span(name, T0 + s, T0 + e)
         for step, s, e in [(1, 10, 12), (2, 12, 14), (3, 14, 16), (4, 16.5, 18.5)]:
             tr.record_span("train_step", T0 + s, T0 + e, step=step)
@@ -63,8 +67,11 @@ def _write_job(job_url: str) -> None:
     with Ledger(job_url, attempt=1, clock=clock) as tr:
         tr.mark("attempt_start", t=T0 + 22)
         tr.mark("resume", step=2, t=T0 + 23)
-        for name, s, e in [("device_init", 22, 23), ("pre_train", 23, 25),
-                           ("get_first_batch_data", 25, 26)]:
+        for name, s, e in [
+            ("device_init", 22, 23),
+            ("pre_train", 23, 25),
+            ("get_first_batch_data", 25, 26),
+        ]:
             tr.record_span(name, T0 + s, T0 + e)
         for step, s, e in [(3, 26, 28), (4, 28, 30), (5, 31.5, 33.5)]:
             tr.record_span("train_step", T0 + s, T0 + e, step=step)
@@ -134,13 +141,22 @@ def test_startup_substages_and_critical_path(job_url: str) -> None:
     # pre_train began at 7 while train_module_creation [6,8] still ran: it is on the path;
     # device_init began at 3 while launcher_init [2,5] ran (launcher_init started the trainer).
     assert a0.critical_path == (
-        "scheduling", "launcher_init", "device_init", "process_group_init",
-        "train_module_creation", "pre_train", "get_first_batch_data",
+        "scheduling",
+        "launcher_init",
+        "device_init",
+        "process_group_init",
+        "train_module_creation",
+        "pre_train",
+        "get_first_batch_data",
     )
     assert a0.critical_path_s == 10.0
     assert (a1.sum_s, a1.union_s, a1.wall_s, a1.critical_path_s) == (7.0, 6.0, 6.0, 6.0)
     assert a1.critical_path == (
-        "scheduling", "launcher_init", "device_init", "pre_train", "get_first_batch_data"
+        "scheduling",
+        "launcher_init",
+        "device_init",
+        "pre_train",
+        "get_first_batch_data",
     )
 
 

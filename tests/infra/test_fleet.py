@@ -38,8 +38,16 @@ def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             zip(STARTUP, FAIL_AFTER, RESTART, strict=True)
         ):
             config = tiny_config(root, job_id=f"retrain-{i}", tracking=tracking_cfg)
-            write_job(config.job_url, t0=T0 + 3600 * i, startup_s=startup, steps=300,
-                      step_s=2.0, ckpt_every=10, fail_after=fail, restart_s=restart)
+            write_job(
+                config.job_url,
+                t0=T0 + 3600 * i,
+                startup_s=startup,
+                steps=300,
+                step_s=2.0,
+                ckpt_every=10,
+                fail_after=fail,
+                restart_s=restart,
+            )
             run_id = tracking.start_job_run(config)
             if fail:  # nested attempt runs must not count as jobs
                 tracking.log_attempt(run_id, 0, -9, "sigkill", T0, T0 + 100, fail)
@@ -98,26 +106,50 @@ def test_missing_experiment_gives_empty_summary(fleet: dict, tmp_path: Path) -> 
     s = fleet_summary(fleet["store"], "no-such-experiment", tmp_path)
     assert s.jobs == () and s.regressions == ()
     assert "(no reported jobs)" in (tmp_path / "fleet.txt").read_text()
-    assert MlflowClient(tracking_uri=fleet["store"]).get_experiment_by_name("no-such-experiment") \
+    assert (
+        MlflowClient(tracking_uri=fleet["store"]).get_experiment_by_name("no-such-experiment")
         is None
+    )
 
 
 def _job(i: int, **kw: object) -> FleetJob:
-    base = FleetJob(run_id=f"r{i}", job_id=f"j{i}", status="FINISHED", start_time=T0 + i,
-                    wall_s=1000.0, ett_pct=90.0, failure_pct=2.0, idleness_pct=8.0,
-                    time_to_start_s=30.0, num_failures=1, time_to_recover_s=(20.0,),
-                    time_to_recover_total_s=20.0, unsaved_s=5.0, checkpoint_blocking_s=10.0,
-                    checkpoint_blocking_mean_s=1.0, effective_s=900.0)
+    base = FleetJob(
+        run_id=f"r{i}",
+        job_id=f"j{i}",
+        status="FINISHED",
+        start_time=T0 + i,
+        wall_s=1000.0,
+        ett_pct=90.0,
+        failure_pct=2.0,
+        idleness_pct=8.0,
+        time_to_start_s=30.0,
+        num_failures=1,
+        time_to_recover_s=(20.0,),
+        time_to_recover_total_s=20.0,
+        unsaved_s=5.0,
+        checkpoint_blocking_s=10.0,
+        checkpoint_blocking_mean_s=1.0,
+        effective_s=900.0,
+    )
     return replace(base, **kw)
 
 
 def test_regression_rules() -> None:
-    jobs = [_job(0), _job(1, ett_pct=91.0), _job(2, ett_pct=89.0), _job(3, ett_pct=84.0),
-            _job(4, time_to_recover_s=(35.0,)), _job(5, checkpoint_blocking_mean_s=1.6),
-            _job(6, time_to_start_s=35.0)]  # +17%: under the threshold
+    jobs = [
+        _job(0),
+        _job(1, ett_pct=91.0),
+        _job(2, ett_pct=89.0),
+        _job(3, ett_pct=84.0),
+        _job(4, time_to_recover_s=(35.0,)),
+        _job(5, checkpoint_blocking_mean_s=1.6),
+        _job(6, time_to_start_s=35.0),
+    ]  # +17%: under the threshold
     found = {(r.job_id, r.metric) for r in find_regressions(jobs)}
-    assert found == {("j3", "ett_pct"), ("j4", "time_to_recover_s"),
-                     ("j5", "checkpoint_blocking_mean_s")}
+    assert found == {
+        ("j3", "ett_pct"),
+        ("j4", "time_to_recover_s"),
+        ("j5", "checkpoint_blocking_mean_s"),
+    }
     assert find_regressions(jobs[:3] + [_job(3, ett_pct=1.0)], Thresholds(min_history=4)) == []
     # Tiny absolute changes of a tiny Time to Start are noise, not regressions.
     tiny = [_job(i, time_to_start_s=0.1) for i in range(5)] + [_job(5, time_to_start_s=0.5)]

@@ -35,7 +35,11 @@ def test_span_and_mark_roundtrip_with_fake_clock(tmp_path) -> None:
         led.mark("checkpoint_committed", step=7)
     span, mark = read_events(url)
     assert (span.kind, span.name, span.start, span.end, span.step) == (
-        "span", "train_step", 101.0, 102.0, 7,
+        "span",
+        "train_step",
+        101.0,
+        102.0,
+        7,
     )
     assert span.attrs == {"loss": 0.5} and span.attempt == 2 and span.duration == 1.0
     assert (mark.kind, mark.start, mark.end, mark.step) == ("mark", 103.0, 103.0, 7)
@@ -48,20 +52,34 @@ def test_lines_are_the_documented_json_records(tmp_path) -> None:
     url = str(tmp_path / "job")
     t = 1764500000.123456789  # a float whose repr needs all 17 digits
     with Ledger(url, attempt=1, rank=3, clock=lambda: t) as led:
-        led.record_span("eval", 1e-05, t, step=12, auc=0.75, note='quote " and \\ slash',
-                        path=Path("/x"))
+        led.record_span(
+            "eval", 1e-05, t, step=12, auc=0.75, note='quote " and \\ slash', path=Path("/x")
+        )
         led.mark("failure", cause="sigkill")
         with pytest.raises(ValueError, match="finite"):
             led.record_span("eval", 0.0, float("nan"))
     path = tmp_path / "job" / "ledger" / "trainer-attempt001-rank003.jsonl"
     span, mark = (json.loads(line) for line in path.read_text().splitlines())
     assert span == {
-        "v": 1, "kind": "span", "name": "eval", "start": 1e-05, "end": t, "attempt": 1,
-        "rank": 3, "step": 12, "attrs": {"auc": 0.75, "note": 'quote " and \\ slash',
-                                         "path": "/x"},
+        "v": 1,
+        "kind": "span",
+        "name": "eval",
+        "start": 1e-05,
+        "end": t,
+        "attempt": 1,
+        "rank": 3,
+        "step": 12,
+        "attrs": {"auc": 0.75, "note": 'quote " and \\ slash', "path": "/x"},
     }
-    assert mark == {"v": 1, "kind": "mark", "name": "failure", "t": t, "attempt": 1,
-                    "rank": 3, "attrs": {"cause": "sigkill"}}
+    assert mark == {
+        "v": 1,
+        "kind": "mark",
+        "name": "failure",
+        "t": t,
+        "attempt": 1,
+        "rank": 3,
+        "attrs": {"cause": "sigkill"},
+    }
 
 
 def test_unknown_names_are_rejected(tmp_path) -> None:

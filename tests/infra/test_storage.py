@@ -59,6 +59,7 @@ def test_metadata_calls_ride_out_a_blip(monkeypatch) -> None:
             if calls[name] == 1:
                 raise ConnectionResetError("connection reset by peer")
             return real(*args, **kwargs)
+
         return call
 
     monkeypatch.setattr(fs, "exists", flaky("exists", fs.exists))

@@ -118,11 +118,20 @@ def test_job_run_holds_report_params_attempts_and_artifacts(
     assert report.num_failures == 1 and report.observed_unsaved_s == 2.0
 
     run_id = tracking.start_job_run(config)
-    a0 = tracking.log_attempt(run_id, 0, exit_code=-9, cause="sigkill", started=T0,
-                              ended=T0 + 17.75, last_step=7, tracking_uri=store)
+    a0 = tracking.log_attempt(
+        run_id,
+        0,
+        exit_code=-9,
+        cause="sigkill",
+        started=T0,
+        ended=T0 + 17.75,
+        last_step=7,
+        tracking_uri=store,
+    )
     a1 = tracking.log_attempt(run_id, 1, 0, "completed", T0 + 17.75, T0 + 40.0, 20)
-    logged = tracking.log_job_report(run_id, report, config.job_url,
-                                     extra_metrics={"advisor.interval_s": 12.5})
+    logged = tracking.log_job_report(
+        run_id, report, config.job_url, extra_metrics={"advisor.interval_s": 12.5}
+    )
 
     client = MlflowClient(tracking_uri=store)
     run = client.get_run(run_id)
@@ -160,8 +169,11 @@ def test_job_run_holds_report_params_attempts_and_artifacts(
     assert client.get_run(a0).data.metrics["duration_s"] == 17.75
     assert client.get_run(a0).data.params["last_step"] == "7"
     # Artifacts: report, table, PNG chart and every ledger file, byte for byte.
-    dst = Path(mlflow.artifacts.download_artifacts(run_id=run_id, tracking_uri=store,
-                                                   dst_path=str(tmp_path / "dl")))
+    dst = Path(
+        mlflow.artifacts.download_artifacts(
+            run_id=run_id, tracking_uri=store, dst_path=str(tmp_path / "dl")
+        )
+    )
     assert (dst / "ett" / "breakdown.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (dst / "ett" / "report.txt").read_text() == format_table(report)
     assert json.loads((dst / "ett" / "report.json").read_text())["ett_pct"] == report.ett_pct
@@ -174,7 +186,7 @@ def test_job_run_holds_report_params_attempts_and_artifacts(
         if f.is_file():
             assert SECRET.encode() not in f.read_bytes() and KEY_ID.encode() not in f.read_bytes()
     # Artifacts of a sqlite store live next to the database, not in the caller's cwd.
-    assert Path(store[len("sqlite:///"):]).parent.joinpath("mlartifacts").is_dir()
+    assert Path(store[len("sqlite:///") :]).parent.joinpath("mlartifacts").is_dir()
 
 
 def test_resumed_job_reuses_its_run(
@@ -187,8 +199,9 @@ def test_resumed_job_reuses_its_run(
     assert tracking.start_job_run(config) == first
     # An orchestrator that crashed may have left the run FAILED: the resumed job takes it back.
     client.set_terminated(first, status="FAILED")
-    changed = tiny_config(tmp_path, job_id="job-resume", tracking={"mlflow_uri": store},
-                          train={"steps": 99})
+    changed = tiny_config(
+        tmp_path, job_id="job-resume", tracking={"mlflow_uri": store}, train={"steps": 99}
+    )
     assert tracking.start_job_run(changed) == first
     run = client.get_run(first)
     assert run.info.status == "RUNNING" and run.data.tags["ett.resumes"] == "2"
@@ -200,8 +213,9 @@ def test_resumed_job_reuses_its_run(
     assert a == b and client.get_run(a).data.metrics["duration_s"] == 6.0
     # Once the job's run is finished, the same job id starts a new run.
     write_job(config.job_url)
-    tracking.log_job_report(first, report_for_job(config.job_url), config.job_url,
-                            tracking_uri=store)
+    tracking.log_job_report(
+        first, report_for_job(config.job_url), config.job_url, tracking_uri=store
+    )
     second = tracking.start_job_run(config)
     assert second != first and client.get_run(second).info.status == "RUNNING"
     runs = client.search_runs([run.info.experiment_id], "tags.`ett.job_id` = 'job-resume'")

@@ -57,8 +57,11 @@ def trained_job(
         job_id=JOB_ID,
         train={"steps": STEPS, "dense_lr": 0.02, "eval_every": 0, "log_every": 5},
         checkpoint={"mode": "async_staged", "every_steps": 10, "keep_latest_k": 3},
-        tracking={"mlflow_uri": mlflow_server, "experiment": "publish-tests",
-                  "registered_model": REGISTERED_MODEL},
+        tracking={
+            "mlflow_uri": mlflow_server,
+            "experiment": "publish-tests",
+            "registered_model": REGISTERED_MODEL,
+        },
     )
     t0 = time.perf_counter()
     write_dataset(config)

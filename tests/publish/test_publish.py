@@ -65,12 +65,29 @@ def published(trained_job: TrainedJob) -> dict:
     """The S3 copy of the 2-rank anchor, published by ``python -m publish`` in a fresh
     single CPU process (no torchrun, no process group, no GPU)."""
     job = trained_job
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "publish", "--uri", job.s3_anchor_url, "--step", "20",
-           "--job-id", job.config.job_id, "--mlflow-run-id", job.training_run_id,
-           "--holdout-rows", str(HOLDOUT_ROWS), "--calibration-ratio", "3.0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "publish",
+        "--uri",
+        job.s3_anchor_url,
+        "--step",
+        "20",
+        "--job-id",
+        job.config.job_id,
+        "--mlflow-run-id",
+        job.training_run_id,
+        "--holdout-rows",
+        str(HOLDOUT_ROWS),
+        "--calibration-ratio",
+        "3.0",
+    ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -152,9 +169,20 @@ def test_registered_model_loads_in_a_bare_process(
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(MLFLOW_TRACKING_URI=job.tracking_uri, MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false")
     proc = subprocess.run(
-        [sys.executable, "-S", "-c", BARE_LOAD, f"models:/{job.registered_model}@champion",
-         rows.to_json(orient="columns", double_precision=15), sysconfig.get_paths()["purelib"]],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-S",
+            "-c",
+            BARE_LOAD,
+            f"models:/{job.registered_model}@champion",
+            rows.to_json(orient="columns", double_precision=15),
+            sysconfig.get_paths()["purelib"],
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = np.array(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -164,8 +192,9 @@ def test_registered_model_loads_in_a_bare_process(
 def test_publishing_twice_yields_one_version(trained_job: TrainedJob, published: dict) -> None:
     job = trained_job
     before = len(_versions(job))
-    again = publish(job.s3_anchor_url, step=20, mlflow_run_id=job.training_run_id,
-                    settings=SETTINGS)
+    again = publish(
+        job.s3_anchor_url, step=20, mlflow_run_id=job.training_run_id, settings=SETTINGS
+    )
     assert again.already_published and again.version == published["version"]
     key = resolve(job.s3_anchor_url).key
     same = MlflowClient(job.tracking_uri).search_model_versions(
@@ -250,7 +279,9 @@ def test_interrupted_registration_is_completed_not_duplicated(
     run = client.get_run(published["publish_run_id"])
     model_id = run.outputs.model_outputs[0].model_id  # the model the first publish logged
     left = client.create_model_version(
-        job.registered_model, source=f"models:/{model_id}", model_id=model_id,
+        job.registered_model,
+        source=f"models:/{model_id}",
+        model_id=model_id,
         tags={"anchor_key": key},
     )
     result = publish(url, settings=SETTINGS)
@@ -283,8 +314,13 @@ def test_prefect_flow_publishes_once(
     job = trained_job
     dst = tmp_path / "jobs" / job.config.job_id / "checkpoints" / "step-000000020"
     shutil.copytree(storage.local_path(job.anchor_url), dst)
-    params = {"uri": f"file://{dst}", "step": 20, "job_id": job.config.job_id,
-              "mlflow_run_id": job.training_run_id, "settings": SETTINGS}
+    params = {
+        "uri": f"file://{dst}",
+        "step": 20,
+        "job_id": job.config.job_id,
+        "mlflow_run_id": job.training_run_id,
+        "settings": SETTINGS,
+    }
     # Flow logs stay local: the API log handler would retry against the server after the
     # session stopped it.
     with temporary_settings(updates={PREFECT_LOGGING_TO_API_ENABLED: False}):
@@ -316,11 +352,16 @@ def _nan_copy(job: TrainedJob, dst: Path) -> str:
     dcp.save(state, checkpoint_id=str(dst), no_dist=True)
     shutil.copy(os.path.join(storage.local_path(src), "config.yaml"), dst / "config.yaml")
     files = {
-        p.name: FileEntry(p.stat().st_size, sha256_file(str(p)))
-        for p in sorted(dst.iterdir())
+        p.name: FileEntry(p.stat().st_size, sha256_file(str(p))) for p in sorted(dst.iterdir())
     }
     original = read_manifest(src)
-    manifest = Manifest(step=original.step, world_size=1, config_hash=original.config_hash,
-                        files=files, anchor=True, job_id=original.job_id)
+    manifest = Manifest(
+        step=original.step,
+        world_size=1,
+        config_hash=original.config_hash,
+        files=files,
+        anchor=True,
+        job_id=original.job_id,
+    )
     (dst / MANIFEST).write_text(manifest.to_json())
     return f"file://{dst}"

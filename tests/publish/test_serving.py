@@ -54,9 +54,9 @@ def test_long_history_keeps_the_most_recent_items() -> None:
 )
 def test_bad_input_is_named(column: str, value: float, message: str) -> None:
     frame = serving.batch_to_frame(_batch(), DATA, as_lists=True)
-    frame[column] = frame[column].astype(type(value)) if column.startswith("dense") else frame[
-        column
-    ]
+    frame[column] = (
+        frame[column].astype(type(value)) if column.startswith("dense") else frame[column]
+    )
     frame.at[0, column] = value
     with pytest.raises(ValueError, match=message):
         serving.frame_to_batch(frame, DATA)
@@ -82,8 +82,9 @@ def test_exported_weights_reload_with_weights_only(tmp_path) -> None:
         want = torch.sigmoid(model(batch.dense, *batch_to_kjts(batch))).numpy()
     got = serving.predict_frame(rebuilt, data, serving.batch_to_frame(batch, DATA))
     assert np.abs(got - want).max() <= 1e-6
-    assert serving.predict_frame(rebuilt, data, pd.DataFrame(columns=serving.input_columns(DATA)))\
-        .shape == (0,)
+    assert serving.predict_frame(
+        rebuilt, data, pd.DataFrame(columns=serving.input_columns(DATA))
+    ).shape == (0,)
 
 
 def test_anchor_key_and_job_url() -> None:

@@ -235,8 +235,12 @@ def triton_results(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath}
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), str(path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(path, weights_only=True)
 
@@ -284,11 +288,20 @@ def test_triton_kernels_compile_for_hopper_without_a_gpu() -> None:
 
     if triton_kernel.INTERPRETED:
         pytest.skip("this process runs triton interpreted")
-    types = {"Offsets": "*i64", "BlockSeq": "*i32", "BlockStart": "*i32", "LSE": "*fp32",
-             "Delta": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32", "num_seqs": "i32",
-             "stride_t": "i32", "stride_h": "i32", "head_dim": "i32"}  # fmt: skip
-    constexprs = {"CAUSAL": True, "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_D": 32,
-                  "PRECISION": "tf32"}  # fmt: skip
+    types = {
+        "Offsets": "*i64",
+        "BlockSeq": "*i32",
+        "BlockStart": "*i32",
+        "LSE": "*fp32",
+        "Delta": "*fp32",
+        "qk_scale": "fp32",
+        "sm_scale": "fp32",
+        "num_seqs": "i32",
+        "stride_t": "i32",
+        "stride_h": "i32",
+        "head_dim": "i32",
+    }
+    constexprs = {"CAUSAL": True, "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_D": 32, "PRECISION": "tf32"}
     for kernel in (
         triton_kernel._fwd_kernel,
         triton_kernel._bwd_dkdv_kernel,

@@ -50,12 +50,15 @@ def make_config(root: Path, data_url: str, steps: int = STEPS, **sections: Any) 
         job_id="job",
         data={"url": data_url},
         # Eager: these tests are about checkpoints, and compiling costs each attempt seconds.
-        train={"steps": steps, "eval_every": 0, "eval_rows": 256, "log_every": 5,
-               "compile": False},
-        checkpoint={"mode": "async_staged", "every_steps": EVERY, "keep_latest_k": 3,
-                    **sections.pop("checkpoint", {})},
+        train={"steps": steps, "eval_every": 0, "eval_rows": 256, "log_every": 5, "compile": False},
+        checkpoint={
+            "mode": "async_staged",
+            "every_steps": EVERY,
+            "keep_latest_k": 3,
+            **sections.pop("checkpoint", {}),
+        },
         **sections,
-    )  # fmt: skip
+    )
 
 
 def run_alone(config: JobConfig, tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -143,9 +146,10 @@ def test_preempted_job_saves_at_the_step_boundary_and_resumes(
     assert exit_code(job.second) == exit_codes.SUCCESS, output(job.second)[-3000:]
     events = read_events(job.config.job_url)
     blocking = [
-        e for e in events
+        e
+        for e in events
         if e.attempt == 0 and e.name == "checkpoint_blocking" and e.step == PREEMPT_AT
-    ]  # fmt: skip
+    ]
     assert blocking and blocking[0].attrs.get("mode") == "sync", blocking
     resumes = [(e.attempt, e.step) for e in events if e.name == "resume"]
     assert resumes == [(1, PREEMPT_AT)], resumes

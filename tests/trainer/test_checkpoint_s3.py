@@ -61,16 +61,22 @@ def s3_config(
     return tiny_config(
         tmp_path,
         job_id="s3job",
-        storage={"root": f"s3://ett/{uuid.uuid4().hex[:12]}", "s3_endpoint_url": endpoint,
-                 **sections.pop("storage", {})},
+        storage={
+            "root": f"s3://ett/{uuid.uuid4().hex[:12]}",
+            "s3_endpoint_url": endpoint,
+            **sections.pop("storage", {}),
+        },
         data={"url": data_url},
         # Eager: these tests are about checkpoints, and compiling costs each attempt seconds.
-        train={"steps": steps, "eval_every": 0, "eval_rows": 256, "log_every": 5,
-               "compile": False},
-        checkpoint={"mode": "async_staged", "every_steps": EVERY, "keep_latest_k": 3,
-                    **sections.pop("checkpoint", {})},
+        train={"steps": steps, "eval_every": 0, "eval_rows": 256, "log_every": 5, "compile": False},
+        checkpoint={
+            "mode": "async_staged",
+            "every_steps": EVERY,
+            "keep_latest_k": 3,
+            **sections.pop("checkpoint", {}),
+        },
         **sections,
-    )  # fmt: skip
+    )
 
 
 def check_committed(config: JobConfig, world_size: int) -> list[int]:
@@ -81,9 +87,10 @@ def check_committed(config: JobConfig, world_size: int) -> list[int]:
         assert manifest.world_size == world_size
         assert manifest.config_hash == config.model_hash()
         objects = {
-            name for name in storage.listdir(ckpt.url)
+            name
+            for name in storage.listdir(ckpt.url)
             if name != MANIFEST and not name.startswith("_done")
-        }  # fmt: skip
+        }
         assert objects == set(manifest.files), (ckpt.url, objects ^ set(manifest.files))
         for rank in range(world_size):
             assert f"trainer_state.rank{rank:03d}.json" in objects
@@ -109,12 +116,14 @@ def test_two_rank_job_commits_on_s3_and_resumes(
         assert sorted(e.step for e in events if e.name == "checkpoint_committed" and e.rank == 0)
         assert [e.step for e in events if e.name == "anchor_committed"] == [12]
 
-        more = s3_config(tmp_path, data_url, s3_server, steps=17,
-                         storage={"root": config.storage.root})  # fmt: skip
+        more = s3_config(
+            tmp_path, data_url, s3_server, steps=17, storage={"root": config.storage.root}
+        )
         result = run_trainer(more, tmp_path, nproc=2)
         assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-        resumes = {(e.attempt, e.rank, e.step) for e in read_events(config.job_url)
-                   if e.name == "resume"}  # fmt: skip
+        resumes = {
+            (e.attempt, e.rank, e.step) for e in read_events(config.job_url) if e.name == "resume"
+        }
         assert resumes == {(1, 0, 12), (1, 1, 12)}, resumes
         assert check_committed(more, world_size=2) == [17, 15, 12]
         assert committed_checkpoints(more.job_url)[0].manifest.anchor
@@ -197,9 +206,13 @@ def start_behind_proxy(
     assert port is not None
     proxy = TcpProxy(("127.0.0.1", port)).start()
     config = s3_config(
-        tmp_path, data_url, proxy.url, steps=steps,
-        storage={"retries": 1, "retry_backoff_s": 0.1}, **sections,
-    )  # fmt: skip
+        tmp_path,
+        data_url,
+        proxy.url,
+        steps=steps,
+        storage={"retries": 1, "retry_backoff_s": 0.1},
+        **sections,
+    )
     env = {"AWS_ENDPOINT_URL_S3": proxy.url, "AWS_MAX_ATTEMPTS": "1"}
     storage.configure(None)  # this process reads S3 directly (s3_server's environment)
     return proxy, config, Attempt(config, tmp_path, env)

@@ -81,8 +81,12 @@ def test_unusable_cache_is_skipped_with_a_warning(tmp_path, caplog, damage):
     fresh.mkdir()
     with caplog.at_level(logging.WARNING, logger="trainer.compile_cache"):
         result = CompileCache(root, PARTS, str(fresh)).load()
-    expected = {"blob": "corrupt", "manifest": "corrupt", "parts": "mismatch",
-                "missing_blob": "error"}[damage]
+    expected = {
+        "blob": "corrupt",
+        "manifest": "corrupt",
+        "parts": "mismatch",
+        "missing_blob": "error",
+    }[damage]
     assert result.status == expected
     assert "skipped" in caplog.text
     assert not (fresh / "ab").exists()  # nothing of a bad cache is used
@@ -125,9 +129,12 @@ def test_corrupt_cache_is_skipped_and_the_job_trains(tmp_path):
     bogus = {"name": "inductor-000000000000.tar", "size": 4, "sha256": "0" * 64}
     storage.write_bytes(storage.join(url, bogus["name"]), b"junk")
     storage.write_bytes(storage.join(url, "megacache-000000000000.bin"), b"junk")
-    manifest = {"version": 1, "key": cache_key(parts), "parts": parts,
-                "files": {"inductor": bogus, "megacache": {**bogus, "name":
-                                                          "megacache-000000000000.bin"}}}
+    manifest = {
+        "version": 1,
+        "key": cache_key(parts),
+        "parts": parts,
+        "files": {"inductor": bogus, "megacache": {**bogus, "name": "megacache-000000000000.bin"}},
+    }
     storage.write_text(storage.join(url, MANIFEST), json.dumps(manifest))
 
     env = {"TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_DIR)}

@@ -68,7 +68,9 @@ def test_generate_is_deterministic_from_the_seed(tmp_path):
         assert (tmp_path / "a" / f).read_bytes() != (tmp_path / "c" / f).read_bytes()
     assert metas[0]["bayes_auc"] == metas[1]["bayes_auc"] != metas[2]["bayes_auc"]
     assert sorted(p.name for p in (tmp_path / "a" / "train").iterdir()) == [
-        "part-00000.parquet", "part-00001.parquet", "part-00002.parquet"
+        "part-00000.parquet",
+        "part-00001.parquet",
+        "part-00002.parquet",
     ]
 
 
@@ -79,7 +81,9 @@ def test_generated_columns_ranges_and_history_skew():
     assert json.loads(storage.read_text(f"{url}/_meta.json")) == meta
     assert (meta["train_rows"], meta["holdout_rows"]) == (3000, 300)
     assert (meta["num_dense"], meta["cat_vocab_sizes"], meta["item_vocab_size"]) == (
-        13, list(data.cat_vocab_sizes), 5000
+        13,
+        list(data.cat_vocab_sizes),
+        5000,
     )
     t = _read_table(f"{url}/train/part-00000.parquet")
     assert t.schema == synthetic.schema(13, len(data.cat_vocab_sizes))
@@ -104,8 +108,11 @@ def test_bayes_auc_is_sane_and_history_carries_signal(tmp_path):
     # Without the history/item term the truth ranks clearly worse: the history matters.
     assert meta["auc_without_history_term"] < meta["bayes_auc"] - 0.04
     # Order matters too: a plain mean of the history loses part of that signal.
-    assert (meta["auc_without_history_term"] < meta["auc_uniform_history_mean"]
-            < meta["bayes_auc"] - 0.01)
+    assert (
+        meta["auc_without_history_term"]
+        < meta["auc_uniform_history_mean"]
+        < meta["bayes_auc"] - 0.01
+    )
     assert 0.3 < meta["bayes_logloss"] < 0.65
     assert 0.1 < meta["holdout_positive_rate"] < 0.45
 
@@ -316,8 +323,9 @@ def _criteo_line(label: str = "1", ints=None, cats=None) -> str:
 
 
 def _criteo_config(url: str, **kw) -> DataConfig:
-    return DataConfig(url=url, format="criteo", cat_vocab_sizes=(100,) * 26, batch_size=8,
-                      shuffle=False, **kw)
+    return DataConfig(
+        url=url, format="criteo", cat_vocab_sizes=(100,) * 26, batch_size=8, shuffle=False, **kw
+    )
 
 
 def test_criteo_rows_parse_and_bad_lines_are_skipped(tmp_path, caplog):
@@ -343,8 +351,12 @@ def test_criteo_rows_parse_and_bad_lines_are_skipped(tmp_path, caplog):
     for n in (3, 4, 5, 6):
         assert f"day_0.tsv:{n}" in caplog.text
     with pytest.raises(ValueError, match="26 entries"):
-        TrainLoader(_criteo_config(f"file://{tmp_path}").model_copy(
-            update={"cat_vocab_sizes": (10, 10)}), 0, 1, seed=0)
+        TrainLoader(
+            _criteo_config(f"file://{tmp_path}").model_copy(update={"cat_vocab_sizes": (10, 10)}),
+            0,
+            1,
+            seed=0,
+        )
 
 
 def test_criteo_resume_is_exact_and_all_bad_file_raises(tmp_path):
@@ -352,8 +364,11 @@ def test_criteo_resume_is_exact_and_all_bad_file_raises(tmp_path):
     (tmp_path / "train").mkdir()
     for s in range(2):
         text = "".join(
-            _criteo_line(str(rng.integers(2)), [str(rng.integers(100)) for _ in range(13)],
-                         [f"{rng.integers(2**32):08x}" for _ in range(26)])
+            _criteo_line(
+                str(rng.integers(2)),
+                [str(rng.integers(100)) for _ in range(13)],
+                [f"{rng.integers(2**32):08x}" for _ in range(26)],
+            )
             for _ in range(50)
         )
         (tmp_path / "train" / f"day_{s}.tsv").write_text(text)

@@ -38,13 +38,23 @@ def graph(log: list[str]) -> list[Stage]:
     return [
         Stage("process_group_init", "process_group_init", sleeper(0.05, log)),
         Stage("preproc_creation", "preproc_creation", sleeper(0.3, log), ("process_group_init",)),
-        Stage("train_module_creation", "train_module_creation", sleeper(0.3, log),
-              ("process_group_init",)),
-        Stage("restore", "pre_train", sleeper(0.1, log), ("train_module_creation",),
-              {"stage": "restore"}),
+        Stage(
+            "train_module_creation",
+            "train_module_creation",
+            sleeper(0.3, log),
+            ("process_group_init",),
+        ),
+        Stage(
+            "restore",
+            "pre_train",
+            sleeper(0.1, log),
+            ("train_module_creation",),
+            {"stage": "restore"},
+        ),
         Stage("compile", "pre_train", sleeper(0.4, log), (), {"stage": "compile"}),
-        Stage("get_first_batch_data", "get_first_batch_data", sleeper(0.1, log),
-              ("preproc_creation",)),
+        Stage(
+            "get_first_batch_data", "get_first_batch_data", sleeper(0.1, log), ("preproc_creation",)
+        ),
     ]
 
 
@@ -76,10 +86,13 @@ def test_stage_error_stops_the_graph_after_running_stages_finish(tmp_path):
         raise ValueError("loader failed")
 
     log: list[str] = []
-    stages = [Stage("compile", "pre_train", sleeper(0.5, log), (), {"stage": "compile"}),
-              Stage("preproc_creation", "preproc_creation", boom),
-              Stage("get_first_batch_data", "get_first_batch_data", sleeper(0.1, log),
-                    ("preproc_creation",))]
+    stages = [
+        Stage("compile", "pre_train", sleeper(0.5, log), (), {"stage": "compile"}),
+        Stage("preproc_creation", "preproc_creation", boom),
+        Stage(
+            "get_first_batch_data", "get_first_batch_data", sleeper(0.1, log), ("preproc_creation",)
+        ),
+    ]
     t0 = time.perf_counter()
     with pytest.raises(ValueError, match="loader failed"):
         run_stages(stages, Ledger(f"file://{tmp_path}/job"), parallel=True)
@@ -110,11 +123,11 @@ def random_batch(config, size: int, max_history: int, gen: torch.Generator) -> B
     offsets[1:] = torch.cumsum(lengths, 0)
     return Batch(
         dense=torch.randn(size, data.num_dense, generator=gen),
-        cat=torch.stack([torch.randint(0, v, (size,), generator=gen)
-                         for v in data.cat_vocab_sizes], dim=1),
+        cat=torch.stack(
+            [torch.randint(0, v, (size,), generator=gen) for v in data.cat_vocab_sizes], dim=1
+        ),
         item=torch.randint(0, data.item_vocab_size, (size,), generator=gen),
-        history_values=torch.randint(0, data.item_vocab_size, (int(offsets[-1]),),
-                                     generator=gen),
+        history_values=torch.randint(0, data.item_vocab_size, (int(offsets[-1]),), generator=gen),
         history_offsets=offsets,
         labels=torch.randint(0, 2, (size,), generator=gen).float(),
     )

@@ -29,9 +29,7 @@ def test_segment_weighted_mean_is_a_per_sequence_softmax_average() -> None:
     scores = torch.randn(9, dtype=torch.float64, requires_grad=True)
     got = segment_weighted_mean(values, scores, OFFSETS)
     for row, (a, b) in enumerate(zip(OFFSETS[:-1].tolist(), OFFSETS[1:].tolist(), strict=True)):
-        want = (
-            torch.softmax(scores[a:b], 0) @ values[a:b] if b > a else torch.zeros(4).double()
-        )
+        want = torch.softmax(scores[a:b], 0) @ values[a:b] if b > a else torch.zeros(4).double()
         torch.testing.assert_close(got[row], want)
     equal = segment_weighted_mean(values, torch.full((9,), 3.0).double(), OFFSETS)
     torch.testing.assert_close(equal, segment_mean(values, OFFSETS))
@@ -52,8 +50,10 @@ def _history(items: list[list[int]]) -> KeyedJaggedTensor:
 
 @pytest.fixture
 def towers() -> tuple[AttentionHistoryTower, PoolingHistoryTower]:
-    config = load_config(data={"item_vocab_size": 50, "max_history_len": 8},
-                         model={"embedding_dim": 8, "dense_arch": [8], "attention_heads": 2})
+    config = load_config(
+        data={"item_vocab_size": 50, "max_history_len": 8},
+        model={"embedding_dim": 8, "dense_arch": [8], "attention_heads": 2},
+    )
     torch.manual_seed(0)
     attention = AttentionHistoryTower(config.data, config.model, torch.device("cpu"))
     pooling = PoolingHistoryTower(config.data, config.model, torch.device("cpu"))

@@ -37,11 +37,25 @@ MAX_HEAD_DIM = 256
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Out, LSE, Offsets, BlockSeq, BlockStart,
-    num_seqs, stride_t, stride_h, head_dim, qk_scale,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    Q,
+    K,
+    V,
+    Out,
+    LSE,
+    Offsets,
+    BlockSeq,
+    BlockStart,
+    num_seqs,
+    stride_t,
+    stride_h,
+    head_dim,
+    qk_scale,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     pid = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.load(BlockSeq + pid)
@@ -56,8 +70,11 @@ def _fwd_kernel(
     m_ok = offs_m < seq_len
     d_ok = offs_d < head_dim
     base = row0 * stride_t + head * stride_h
-    q = tl.load(Q + base + offs_m[:, None] * stride_t + offs_d[None, :],
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    q = tl.load(
+        Q + base + offs_m[:, None] * stride_t + offs_d[None, :],
+        mask=m_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -95,11 +112,29 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, Delta, DK, DV, Offsets, BlockSeq, BlockStart,
-    num_seqs, stride_t, stride_h, head_dim, qk_scale, sm_scale,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    Delta,
+    DK,
+    DV,
+    Offsets,
+    BlockSeq,
+    BlockStart,
+    num_seqs,
+    stride_t,
+    stride_h,
+    head_dim,
+    qk_scale,
+    sm_scale,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     pid = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.load(BlockSeq + pid)
@@ -150,11 +185,28 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, Delta, DQ, Offsets, BlockSeq, BlockStart,
-    num_seqs, stride_t, stride_h, head_dim, qk_scale, sm_scale,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    Delta,
+    DQ,
+    Offsets,
+    BlockSeq,
+    BlockStart,
+    num_seqs,
+    stride_t,
+    stride_h,
+    head_dim,
+    qk_scale,
+    sm_scale,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     pid = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.load(BlockSeq + pid)
@@ -228,17 +280,31 @@ class _JaggedFlashAttention(torch.autograd.Function):
         o = torch.empty_like(q)
         lse = torch.empty(total, heads, dtype=torch.float32, device=q.device)
         ctx.cfg = dict(
-            num_seqs=offsets.numel() - 1, stride_t=heads * dim, stride_h=dim, head_dim=dim,
-            CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_seqs=offsets.numel() - 1,
+            stride_t=heads * dim,
+            stride_h=dim,
+            head_dim=dim,
+            CAUSAL=causal,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
             BLOCK_D=max(16, triton.next_power_of_2(dim)),
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        )  # fmt: skip
+        )
         ctx.sm_scale = 1.0 / math.sqrt(dim)
         seq_m, start_m = block_table(offsets, total, block_m)
         _fwd_kernel[(seq_m.numel(), heads)](
-            q, k, v, o, lse, offsets, seq_m, start_m,
-            qk_scale=ctx.sm_scale * LOG2E, num_warps=4, **ctx.cfg,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            o,
+            lse,
+            offsets,
+            seq_m,
+            start_m,
+            qk_scale=ctx.sm_scale * LOG2E,
+            num_warps=4,
+            **ctx.cfg,
+        )
         ctx.save_for_backward(q, k, v, o, lse, offsets, seq_m, start_m)
         return o
 

@@ -73,16 +73,26 @@ class _Rows:
         np.cumsum(lengths, out=offsets[1:])
         gather = np.repeat(ends - lengths - offsets[:-1], lengths) + np.arange(offsets[-1])
         rows = _Rows(
-            self.label[idx], self.dense[idx], self.cat[idx], self.item[idx], offsets,
-            self.values[gather], self.pos[idx],
+            self.label[idx],
+            self.dense[idx],
+            self.cat[idx],
+            self.item[idx],
+            offsets,
+            self.values[gather],
+            self.pos[idx],
         )
         return rows, cut
 
     def slice(self, a: int, b: int) -> _Rows:
         o = self.offsets[a : b + 1]
         return _Rows(
-            self.label[a:b], self.dense[a:b], self.cat[a:b], self.item[a:b], o - o[0],
-            self.values[o[0] : o[-1]], self.pos[a:b],
+            self.label[a:b],
+            self.dense[a:b],
+            self.cat[a:b],
+            self.item[a:b],
+            o - o[0],
+            self.values[o[0] : o[-1]],
+            self.pos[a:b],
         )
 
     @staticmethod
@@ -127,8 +137,15 @@ def _np(arr: pa.Array, fill: float | int = 0) -> np.ndarray:
     if pa.types.is_boolean(t):
         out = _bits(data, arr.offset, n).astype(bool)
     else:
-        kind = ("f" if pa.types.is_floating(t) else "i" if pa.types.is_signed_integer(t)
-                else "u" if pa.types.is_unsigned_integer(t) else None)
+        kind = (
+            "f"
+            if pa.types.is_floating(t)
+            else "i"
+            if pa.types.is_signed_integer(t)
+            else "u"
+            if pa.types.is_unsigned_integer(t)
+            else None
+        )
         if kind is None:
             raise TypeError(f"expected a numeric array, got {t}")
         dtype = np.dtype(f"{kind}{t.bit_width // 8}")
@@ -218,8 +235,9 @@ def _decode(table: pa.Table, data: DataConfig, url: str) -> tuple[_Rows, dict[st
         "item out of range": (item < 0) | (item >= data.item_vocab_size),
         "history id out of range": bad_hist,
     }
-    rows = _Rows(label.astype(np.float32), dense, cat, item, offsets, values,
-                 np.zeros(n, dtype=np.int64))
+    rows = _Rows(
+        label.astype(np.float32), dense, cat, item, offsets, values, np.zeros(n, dtype=np.int64)
+    )
     return rows, checks
 
 
@@ -305,7 +323,8 @@ class _ShardReader:
                 log.warning(
                     "data: histories longer than data.max_history_len=%d (first in %s): keeping "
                     "the most recent items; counted in stats['truncated_histories']",
-                    self.data.max_history_len, url,
+                    self.data.max_history_len,
+                    url,
                 )
             yield rows
         self.badlog.end_shard(url)
@@ -359,8 +378,15 @@ class _ShardReader:
             parsed = self.parser.parse([lines[k] for k in sel], (sel + base + 1).tolist(), url)
             m = parsed.label.size
             zeros = np.zeros(m, dtype=np.int64)
-            rows = _Rows(parsed.label, parsed.dense, parsed.cat, zeros, np.zeros(m + 1, np.int64),
-                         np.zeros(0, np.int64), zeros.copy())
+            rows = _Rows(
+                parsed.label,
+                parsed.dense,
+                parsed.cat,
+                zeros,
+                np.zeros(m + 1, np.int64),
+                np.zeros(0, np.int64),
+                zeros.copy(),
+            )
             checks = {"label not 0/1": ~((rows.label == 0) | (rows.label == 1))}
             where = sel[parsed.index] + base + 1
             pos = base + skip + parsed.index
@@ -424,8 +450,9 @@ class TrainLoader:
         window_rows: int = 65_536,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, "
-                             f"world_size={world_size}")
+            raise ValueError(
+                f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}"
+            )
         if data.format == "criteo":
             criteo.check_config(data)
         check_meta(data)
@@ -463,8 +490,10 @@ class TrainLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at the next row unseen by the loader that made ``state``."""
         if state.get("version", STATE_VERSION) != STATE_VERSION:
-            raise DataError(f"data loader state version {state.get('version')!r} is not "
-                            f"{STATE_VERSION}; cannot resume from it")
+            raise DataError(
+                f"data loader state version {state.get('version')!r} is not "
+                f"{STATE_VERSION}; cannot resume from it"
+            )
         for key, mine in self._identity().items():
             if key in state and state[key] != mine:
                 raise DataError(
@@ -478,8 +507,10 @@ class TrainLoader:
                 raise DataError(f"data loader state: {key} must be an int >= 0, got {value!r}")
             pos[key] = value
         if pos["shard_pos"] >= len(self.shards):
-            raise DataError(f"data loader state: shard_pos={pos['shard_pos']} but this rank has "
-                            f"{len(self.shards)} shards")
+            raise DataError(
+                f"data loader state: shard_pos={pos['shard_pos']} but this rank has "
+                f"{len(self.shards)} shards"
+            )
         self.close()
         self._state = pos
 
@@ -632,7 +663,9 @@ def _sequential(data: DataConfig, split: str, max_rows: int | None) -> Iterator[
 
 
 def stream_batches(
-    data: DataConfig, split: str = "holdout", batch_size: int | None = None,
+    data: DataConfig,
+    split: str = "holdout",
+    batch_size: int | None = None,
     max_rows: int | None = None,
 ) -> Iterator[Batch]:
     """Batches of a whole split in file order, single process (no process group needed);
@@ -663,8 +696,11 @@ def holdout_batches(
     if n == 0:
         raise DataError(f"{len(every)} holdout rows cannot be split over {world_size} ranks")
     if n < rows:
-        log.info("data: holdout has %d usable rows of the %d asked for; using %d", len(every),
-                 rows, n)
+        log.info(
+            "data: holdout has %d usable rows of the %d asked for; using %d", len(every), rows, n
+        )
     mine, _ = every.take(np.arange(rank, n, world_size))
-    return [mine.slice(i, min(i + batch_size, len(mine))).to_batch()
-            for i in range(0, len(mine), batch_size)]
+    return [
+        mine.slice(i, min(i + batch_size, len(mine))).to_batch()
+        for i in range(0, len(mine), batch_size)
+    ]

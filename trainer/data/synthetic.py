@@ -284,8 +284,11 @@ def _write_shard(
                 planted, data, rng, min(_CHUNK_ROWS, rows - start)
             )
             writer.write_table(to_table(**cols), row_group_size=ROW_GROUP_ROWS)
-            for acc, x in zip(out, (cols["label"], logit, inter, uniform,
-                                    np.diff(cols["history_offsets"])), strict=True):
+            for acc, x in zip(
+                out,
+                (cols["label"], logit, inter, uniform, np.diff(cols["history_offsets"])),
+                strict=True,
+            ):
                 acc.append(x)
     storage.write_bytes(url, sink.getvalue().to_pybytes())
     labels, logits, inter, uniform, lens = (np.concatenate(acc) for acc in out)
@@ -313,7 +316,11 @@ def generate(data: DataConfig, url: str | None = None) -> dict[str, Any]:
         train_files.append(name)
         log.info(
             "synthetic: wrote %s (%d rows, %.2f s) [%d/%d]",
-            storage.join(url, name), rows, time.perf_counter() - t, i + 1, gen.shards,
+            storage.join(url, name),
+            rows,
+            time.perf_counter() - t,
+            i + 1,
+            gen.shards,
         )
     name = "holdout/part-00000.parquet"
     t = time.perf_counter()
@@ -323,7 +330,9 @@ def generate(data: DataConfig, url: str | None = None) -> dict[str, Any]:
     )
     log.info(
         "synthetic: wrote %s (%d rows, %.2f s)",
-        storage.join(url, name), gen.holdout_rows, time.perf_counter() - t,
+        storage.join(url, name),
+        gen.holdout_rows,
+        time.perf_counter() - t,
     )
     probs = _sigmoid(logits)
     all_lens = np.concatenate(lengths)
@@ -360,7 +369,11 @@ def generate(data: DataConfig, url: str | None = None) -> dict[str, Any]:
     storage.write_text(storage.join(url, "_meta.json"), json.dumps(meta, indent=2))
     log.info(
         "synthetic: %d train + %d holdout rows at %s in %.1f s; Bayes AUC %.4f, log-loss %.4f",
-        gen.rows, gen.holdout_rows, url, meta["seconds"], meta["bayes_auc"],
+        gen.rows,
+        gen.holdout_rows,
+        url,
+        meta["seconds"],
+        meta["bayes_auc"],
         meta["bayes_logloss"],
     )
     return meta
