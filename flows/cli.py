@@ -11,6 +11,7 @@ import os
 import sys
 import tempfile
 
+from infra.exit_codes import ExitCode
 from infra.settings import ConfigError, JobConfig, dump_config, load_config
 
 
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.handler(args))
     except ConfigError as exc:
         print(exc, file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
 
 
 if __name__ == "__main__":

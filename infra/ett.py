@@ -25,7 +25,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from infra.ledger import INIT_SPANS, PUBLISH_SPANS, Event, read_events
+from infra.ledger import INIT_SPANS, PUBLISH_SPANS, Event, Span, read_events
 
 BUCKETS = (
     "effective_training",
@@ -50,7 +50,7 @@ PRIORITY = (
 )
 FAILURE_BUCKETS = ("wasted_training", "recovery")
 # Stages whose overlap decides how long an attempt takes to reach its first step.
-STARTUP_STAGES = ("scheduling", "hardware_setup", "launcher_init", *INIT_SPANS)
+STARTUP_STAGES = (Span.SCHEDULING, Span.LAUNCHER_INIT, *INIT_SPANS)
 
 
 @dataclass(frozen=True)

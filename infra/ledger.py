@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
 
@@ -35,33 +36,67 @@ from infra import storage
 
 log = logging.getLogger(__name__)
 
-# The vocabulary of DESIGN.md; writing another name is a programming error.
-JOB_SPANS = ("scheduling", "hardware_setup", "launcher_init", "shutdown")
+
+class Span(StrEnum):
+    """Span names: the closed vocabulary of timed work (docs/ett.md). A ``StrEnum``, so a
+    name read back from a ledger file compares equal to its member."""
+
+    # the job, around the trainer
+    SCHEDULING = "scheduling"
+    LAUNCHER_INIT = "launcher_init"
+    SHUTDOWN = "shutdown"
+    # trainer init sub-stages
+    DEVICE_INIT = "device_init"
+    PROCESS_GROUP_INIT = "process_group_init"
+    PREPROC_CREATION = "preproc_creation"
+    TRAIN_MODULE_CREATION = "train_module_creation"
+    INIT_PLUGINS = "init_plugins"
+    PRE_TRAIN = "pre_train"
+    GET_FIRST_BATCH_DATA = "get_first_batch_data"
+    COMPILE = "compile"
+    # the training loop
+    TRAIN_STEP = "train_step"
+    CHECKPOINT_BLOCKING = "checkpoint_blocking"
+    EVAL = "eval"
+    # work moved off the training job, in its own files
+    PUBLISH_LOAD = "publish_load"
+    PUBLISH_EXPORT = "publish_export"
+    PUBLISH_VALIDATE = "publish_validate"
+    PUBLISH_REGISTER = "publish_register"
+
+
+class Mark(StrEnum):
+    """Mark names: the closed vocabulary of instants."""
+
+    ATTEMPT_START = "attempt_start"
+    FAILURE = "failure"
+    RESUME = "resume"
+    CHECKPOINT_COMMITTED = "checkpoint_committed"
+    CHECKPOINT_FAILED = "checkpoint_failed"
+    ANCHOR_COMMITTED = "anchor_committed"
+    RECOMPILE = "recompile"
+    JOB_END = "job_end"
+
+
+JOB_SPANS = (Span.SCHEDULING, Span.LAUNCHER_INIT, Span.SHUTDOWN)
 INIT_SPANS = (
-    "device_init",
-    "process_group_init",
-    "preproc_creation",
-    "train_module_creation",
-    "init_plugins",
-    "pre_train",
-    "get_first_batch_data",
+    Span.DEVICE_INIT,
+    Span.PROCESS_GROUP_INIT,
+    Span.PREPROC_CREATION,
+    Span.TRAIN_MODULE_CREATION,
+    Span.INIT_PLUGINS,
+    Span.PRE_TRAIN,
+    Span.GET_FIRST_BATCH_DATA,
 )
-LOOP_SPANS = ("train_step", "checkpoint_blocking", "eval")
-# Spans of work moved off the training job (publishing), kept in their own files.
-PUBLISH_SPANS = ("publish_load", "publish_export", "publish_validate", "publish_register")
-SPAN_NAMES = frozenset(JOB_SPANS + INIT_SPANS + LOOP_SPANS + PUBLISH_SPANS + ("compile",))
-MARK_NAMES = frozenset(
-    (
-        "attempt_start",
-        "failure",
-        "resume",
-        "checkpoint_committed",
-        "checkpoint_failed",
-        "anchor_committed",
-        "recompile",
-        "job_end",
-    )
+LOOP_SPANS = (Span.TRAIN_STEP, Span.CHECKPOINT_BLOCKING, Span.EVAL)
+PUBLISH_SPANS = (
+    Span.PUBLISH_LOAD,
+    Span.PUBLISH_EXPORT,
+    Span.PUBLISH_VALIDATE,
+    Span.PUBLISH_REGISTER,
 )
+SPAN_NAMES = frozenset(Span)
+MARK_NAMES = frozenset(Mark)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import tomllib
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -124,10 +125,19 @@ class TrainConfig(_Frozen):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
 
+class CheckpointMode(StrEnum):
+    """How a checkpoint blocks the loop (trainer/checkpoint/checkpointer.py)."""
+
+    SYNC = "sync"  # the loop waits for the whole write (the baseline)
+    ASYNC = "async"  # the loop waits for the staging copy, DCP writes in the background
+    ASYNC_STAGED = "async_staged"  # the copy too runs in the background until the next step
+    OFF = "off"
+
+
 class CheckpointConfig(_Frozen):
     """When and how checkpoints are taken (see DESIGN.md, checkpoint protocol)."""
 
-    mode: Literal["sync", "async", "async_staged", "off"] = "async_staged"
+    mode: CheckpointMode = CheckpointMode.ASYNC_STAGED
     every_steps: int | None = Field(default=100, ge=1)
     every_seconds: float | None = Field(default=None, gt=0)
     keep_latest_k: int = Field(default=3, ge=1)

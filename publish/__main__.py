@@ -13,9 +13,8 @@ import logging
 import os
 import sys
 
+from infra.exit_codes import ExitCode
 from publish.settings import PublishError
-
-EXIT_REFUSED = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
             result = publish(args.uri, args.step, args.job_id, args.mlflow_run_id, overrides)
     except PublishError as exc:
         print(f"publish refused: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
+        return ExitCode.REFUSED
     print(json.dumps(result.to_dict(), indent=2))
-    return 0
+    return ExitCode.SUCCESS
 
 
 if __name__ == "__main__":

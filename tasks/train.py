@@ -35,7 +35,8 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import MissingContextError
 
-from infra import exit_codes, processes, storage
+from infra import processes, storage
+from infra.exit_codes import ExitCode
 from infra.ledger import Event, Ledger, ledger_url, read_events
 from infra.settings import JobConfig, dump_config, load_config
 from tasks.launch import run_attempt
@@ -73,11 +74,11 @@ def classify(exit_code: int, worker_codes: Sequence[int] = (), hung: bool = Fals
     if any(c in (-signal.SIGKILL, 128 + signal.SIGKILL) for c in codes):
         return SIGKILL  # a lost worker (OOM killer, node failure): the others die with it
     root = codes[0]  # torchrun names the first failure first
-    if root == exit_codes.PREEMPTED:
+    if root == ExitCode.PREEMPTED:
         return PREEMPTED
-    if root == exit_codes.BAD_CONFIG:
+    if root == ExitCode.USAGE:
         return BAD_CONFIG
-    if root == exit_codes.CHECKPOINT_INCOMPATIBLE:
+    if root == ExitCode.CHECKPOINT_INCOMPATIBLE:
         return INCOMPATIBLE
     return CRASH
 

@@ -21,9 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from infra import exit_codes, storage
+from infra import storage
+from infra.exit_codes import ExitCode
 from infra.ledger import Ledger, ledger_url
-from infra.settings import ConfigError, JobConfig, load_config
+from infra.settings import CheckpointMode, ConfigError, JobConfig, load_config
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.manifest import CheckpointError
 from trainer.checkpoint.state import app_state
@@ -116,7 +117,7 @@ def run(config: JobConfig) -> int:
         return _train(config, ledger, preemption)
     except CheckpointError as exc:  # corrupt or incompatible: relaunching cannot help
         log.error("cannot resume: %s", exc)
-        return exit_codes.CHECKPOINT_INCOMPATIBLE
+        return ExitCode.CHECKPOINT_INCOMPATIBLE
     finally:
         ledger.close()
         if dist.is_initialized():
@@ -126,7 +127,9 @@ def run(config: JobConfig) -> int:
 def should_checkpoint(config: JobConfig, step: int, last_save: float, now: float) -> bool:
     """Interval in steps, in seconds, or both (whichever comes first)."""
     ckpt = config.checkpoint
-    if ckpt.mode == "off" or step >= config.train.steps:  # the last step gets the anchor
+    if (
+        ckpt.mode == CheckpointMode.OFF or step >= config.train.steps
+    ):  # the last step gets the anchor
         return False
     by_steps = ckpt.every_steps is not None and step % ckpt.every_steps == 0
     by_time = ckpt.every_seconds is not None and now - last_save >= ckpt.every_seconds
@@ -151,7 +154,7 @@ def _train(config: JobConfig, ledger: Ledger, preemption: Preemption) -> int:
         while step < config.train.steps:
             if preemption.agreed(env):
                 _save_on_preemption(config, checkpointer, step, snapshot)
-                return exit_codes.PREEMPTED
+                return ExitCode.PREEMPTED
             checkpointer.wait_until_staged()
             step += 1
             faults.at_step(step)
@@ -183,7 +186,9 @@ def _train(config: JobConfig, ledger: Ledger, preemption: Preemption) -> int:
         with ledger.span("shutdown", step=step):
             if not stats.last_eval or config.train.steps % max(config.train.eval_every, 1):
                 stats.last_eval = evaluate(model, holdout, env.device)
-            if config.checkpoint.mode != "off" and step > start_step:  # else: anchored already
+            if (
+                config.checkpoint.mode != CheckpointMode.OFF and step > start_step
+            ):  # else: anchored already
                 checkpointer.save(step, snapshot, anchor=True)
             checkpointer.close()
             anchor_failed = step in checkpointer.failed_steps
@@ -203,11 +208,11 @@ def _train(config: JobConfig, ledger: Ledger, preemption: Preemption) -> int:
             "the anchor checkpoint at step %d did not commit; exiting %d so the attempt "
             "is retried from the newest committed checkpoint",
             step,
-            exit_codes.ANCHOR_NOT_SAVED,
+            ExitCode.ANCHOR_NOT_SAVED,
         )
-        return exit_codes.ANCHOR_NOT_SAVED
+        return ExitCode.ANCHOR_NOT_SAVED
     ledger.mark("job_end", step=step)
-    return exit_codes.SUCCESS
+    return ExitCode.SUCCESS
 
 
 def _save_on_preemption(
@@ -219,7 +224,7 @@ def _save_on_preemption(
     """Preempted: finish the in-flight upload if the budget allows, then save synchronously."""
     budget = config.checkpoint.preemption_budget_s
     log.warning("preempted: saving at step %d within %.0f s", step, budget)
-    if config.checkpoint.mode == "off":
+    if config.checkpoint.mode == CheckpointMode.OFF:
         return
     try:
         checkpointer.wait_for_inflight(timeout_s=budget / 2)
@@ -249,5 +254,5 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
-        return exit_codes.BAD_CONFIG
+        return ExitCode.USAGE
     return run(config)

@@ -22,7 +22,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from infra import exit_codes, storage  # noqa: E402
+from infra import storage  # noqa: E402
+from infra.exit_codes import ExitCode
 from infra.ledger import Ledger  # noqa: E402
 
 STEP_S = float(os.environ.get("FAKE_STEP_S", "0.02"))
@@ -77,7 +78,7 @@ def main() -> int:
             print(f"preempted: saving at step {step}", flush=True)
             commit(step)
             ledger.close()
-            return exit_codes.PREEMPTED
+            return ExitCode.PREEMPTED
         if step % every == 0 and step < steps:
             commit(step)
     with ledger.span("shutdown", step=step):
@@ -85,7 +86,7 @@ def main() -> int:
         ledger.mark("anchor_committed", step=step, url=f"{job_url}/checkpoints/step-{step}")
     ledger.mark("job_end", step=step)
     ledger.close()
-    return exit_codes.SUCCESS
+    return ExitCode.SUCCESS
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from infra import exit_codes
 from infra.ett import report_for_job
+from infra.exit_codes import ExitCode
 from infra.ledger import read_events
 from infra.settings import dump_config
 from tasks import train as t
@@ -25,18 +25,18 @@ FAKE = str(Path(__file__).with_name("fake_trainer.py"))
     ("exit_code", "workers", "hung", "expected"),
     [
         (0, [], False, t.SUCCESS),
-        (exit_codes.PREEMPTED, [], False, t.PREEMPTED),  # the trainer alone
-        (1, [exit_codes.PREEMPTED], False, t.PREEMPTED),  # torchrun exits 1, names 83
+        (ExitCode.PREEMPTED, [], False, t.PREEMPTED),  # the trainer alone
+        (1, [ExitCode.PREEMPTED], False, t.PREEMPTED),  # torchrun exits 1, names 83
         (1, [-9], False, t.SIGKILL),  # a SIGKILLed worker
-        (1, [exit_codes.PREEMPTED, -9], False, t.SIGKILL),  # any lost worker
+        (1, [ExitCode.PREEMPTED, -9], False, t.SIGKILL),  # any lost worker
         (-9, [], False, t.SIGKILL),  # torchrun itself killed
         (137, [], False, t.SIGKILL),  # shell/container convention
         (1, [1], False, t.CRASH),
         (1, [], False, t.CRASH),
         (-15, [], False, t.CRASH),
-        (1, [exit_codes.BAD_CONFIG], False, t.BAD_CONFIG),
-        (exit_codes.CHECKPOINT_INCOMPATIBLE, [], False, t.INCOMPATIBLE),
-        (1, [exit_codes.ANCHOR_NOT_SAVED], False, t.CRASH),  # retried from the newest commit
+        (1, [ExitCode.USAGE], False, t.BAD_CONFIG),
+        (ExitCode.CHECKPOINT_INCOMPATIBLE, [], False, t.INCOMPATIBLE),
+        (1, [ExitCode.ANCHOR_NOT_SAVED], False, t.CRASH),  # retried from the newest commit
         (-15, [], True, t.HANG),  # killed by us for lack of progress
     ],
 )
@@ -115,7 +115,7 @@ def test_loop_recovers_from_sigkill_and_preemption(tmp_path: Path) -> None:
 
     assert outcome.succeeded, outcome.message
     assert [a.outcome for a in outcome.attempts] == [t.SIGKILL, t.PREEMPTED, t.SUCCESS]
-    assert [a.exit_code for a in outcome.attempts] == [-9, exit_codes.PREEMPTED, 0]
+    assert [a.exit_code for a in outcome.attempts] == [-9, ExitCode.PREEMPTED, 0]
     assert outcome.failures == 1 and outcome.preemptions == 1  # preemption is not a failure
     assert sleeps == [3.0]  # backoff after the SIGKILL only
     assert [a.last_step for a in outcome.attempts] == [6, 13, 20]
@@ -124,7 +124,7 @@ def test_loop_recovers_from_sigkill_and_preemption(tmp_path: Path) -> None:
     marks = [e for e in events if e.name == "failure"]
     assert [(e.attempt, e.attrs["cause"], e.step, e.attrs["exit_code"]) for e in marks] == [
         (0, "sigkill", 6, -9),
-        (1, "preempted", 13, exit_codes.PREEMPTED),
+        (1, "preempted", 13, ExitCode.PREEMPTED),
     ]
     inits = {e.attempt: e for e in events if e.name == "launcher_init"}
     starts = {e.attempt: e for e in events if e.name == "attempt_start"}
@@ -163,7 +163,7 @@ def test_hang_is_detected_and_killed(tmp_path: Path) -> None:
 
 
 def test_bad_config_is_not_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FAKE_EXIT_CODE", str(exit_codes.BAD_CONFIG))
+    monkeypatch.setenv("FAKE_EXIT_CODE", str(ExitCode.USAGE))
     _, outcome, sleeps = _run(tmp_path, [], t.RetryPolicy(max_failures=3))
     assert not outcome.succeeded and len(outcome.attempts) == 1 and sleeps == []
     assert outcome.attempts[0].outcome == t.BAD_CONFIG and "not retried" in outcome.message
@@ -204,7 +204,7 @@ def test_torchrun_exit_codes_are_read_from_its_summary(tmp_path: Path) -> None:
     first = t.launch_attempt(config.job_url, command, 0, env=env)
     assert (first.launcher_exit_code, first.exit_code, first.outcome) == (
         1,
-        exit_codes.PREEMPTED,
+        ExitCode.PREEMPTED,
         t.PREEMPTED,
     )
     second = t.launch_attempt(config.job_url, command, 1, env=env)

@@ -29,7 +29,8 @@ from typing import Any
 
 import pytest
 
-from infra import exit_codes, storage
+from infra import storage
+from infra.exit_codes import ExitCode
 from infra.ledger import read_events
 from infra.settings import JobConfig, dump_config
 from tests.factories import ROOT, run_trainer, tiny_config, write_dataset
@@ -136,14 +137,14 @@ def test_preempted_job_saves_at_the_step_boundary_and_resumes(
     preempted_job: PreemptedJob,
 ) -> None:
     job = preempted_job
-    assert exit_code(job.first) == exit_codes.PREEMPTED, output(job.first)[-3000:]
+    assert exit_code(job.first) == ExitCode.PREEMPTED, output(job.first)[-3000:]
     # The flag is set during step N (the fault fires as step N starts) and honoured at the
     # next step boundary: step N completes, then a synchronous save at exactly step N.
     assert f"preempted: saving at step {PREEMPT_AT}" in job.first.stdout
     assert job.committed_after_first[0] == PREEMPT_AT, job.committed_after_first
     assert EVERY in job.committed_after_first  # the periodic one before it stays
 
-    assert exit_code(job.second) == exit_codes.SUCCESS, output(job.second)[-3000:]
+    assert exit_code(job.second) == ExitCode.SUCCESS, output(job.second)[-3000:]
     events = read_events(job.config.job_url)
     blocking = [
         e
@@ -184,7 +185,7 @@ def test_corrupt_newest_checkpoint(
 
     # Without fallback: the attempt fails, naming the checkpoint and the reason.
     result = run_alone(strict, tmp_path)
-    assert exit_code(result) == exit_codes.CHECKPOINT_INCOMPATIBLE, output(result)[-3000:]
+    assert exit_code(result) == ExitCode.CHECKPOINT_INCOMPATIBLE, output(result)[-3000:]
     errors = [line for line in result.stdout.splitlines() if "cannot resume" in line]
     assert errors, output(result)[-3000:]
     assert step_dir_name(STEPS) in errors[0] and f"checksum mismatch in {name}" in errors[0]
@@ -193,7 +194,7 @@ def test_corrupt_newest_checkpoint(
     # With fallback: a warning naming the corrupt one, then resume from the previous one.
     lenient = make_config(tmp_path, data_url, steps=STEPS + 2)
     result = run_alone(lenient, tmp_path)
-    assert exit_code(result) == exit_codes.SUCCESS, output(result)[-3000:]
+    assert exit_code(result) == ExitCode.SUCCESS, output(result)[-3000:]
     warnings = [line for line in result.stdout.splitlines() if "falling back" in line]
     assert warnings, result.stdout[-3000:]
     assert step_dir_name(STEPS) in warnings[0] and "checksum mismatch" in warnings[0]
@@ -216,7 +217,7 @@ def test_checkpoint_of_another_model_config(
     [newest, *_] = committed_checkpoints(config.job_url)
     assert newest.manifest.config_hash != config.model_hash()
     result = run_alone(config, tmp_path)
-    assert exit_code(result) == exit_codes.CHECKPOINT_INCOMPATIBLE, output(result)[-3000:]
+    assert exit_code(result) == ExitCode.CHECKPOINT_INCOMPATIBLE, output(result)[-3000:]
     errors = [line for line in result.stdout.splitlines() if "cannot resume" in line]
     assert errors, output(result)[-3000:]
     assert "another model config" in result.stdout
@@ -233,7 +234,7 @@ def test_checkpoint_of_another_world_size(
     [newest] = committed_checkpoints(config.job_url)
     assert newest.manifest.world_size == 2
     result = run_alone(config, tmp_path)
-    assert exit_code(result) == exit_codes.CHECKPOINT_INCOMPATIBLE, output(result)[-3000:]
+    assert exit_code(result) == ExitCode.CHECKPOINT_INCOMPATIBLE, output(result)[-3000:]
     errors = [line for line in result.stdout.splitlines() if "cannot resume" in line]
     assert errors, output(result)[-3000:]
     assert step_dir_name(EVERY) in result.stdout

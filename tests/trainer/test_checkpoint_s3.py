@@ -28,7 +28,8 @@ from typing import Any
 
 import pytest
 
-from infra import exit_codes, storage
+from infra import storage
+from infra.exit_codes import ExitCode
 from infra.ledger import read_events
 from infra.settings import JobConfig, dump_config
 from tests.factories import ROOT, run_trainer, tiny_config, write_dataset
@@ -239,7 +240,7 @@ def test_storage_outage_fails_checkpoints_loudly_and_training_goes_on(
             outage_s = time.monotonic() - started
         assert proxy.refused > 0, "the outage refused no connection"
         code = attempt.proc.wait(timeout=300)
-        assert code == exit_codes.SUCCESS, attempt.tail()
+        assert code == ExitCode.SUCCESS, attempt.tail()
     finally:
         attempt.stop()
         proxy.close()
@@ -280,9 +281,9 @@ def test_an_outage_through_the_end_fails_the_attempt_so_it_is_retried(
     finally:
         attempt.stop()
         proxy.close()
-    assert code != exit_codes.SUCCESS, attempt.tail()
+    assert code != ExitCode.SUCCESS, attempt.tail()
     worker_codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", attempt.tail(200))]
-    assert set(worker_codes) == {exit_codes.ANCHOR_NOT_SAVED}, attempt.tail()
+    assert set(worker_codes) == {ExitCode.ANCHOR_NOT_SAVED}, attempt.tail()
     assert f"anchor checkpoint at step {steps} did not commit" in attempt.tail(200)
     latest = committed_checkpoints(config.job_url)[0]
     assert first <= latest.step < steps and not latest.manifest.anchor

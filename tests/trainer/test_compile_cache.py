@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from infra import exit_codes, storage
+from infra import storage
+from infra.exit_codes import ExitCode
 from infra.ledger import read_events
 from tests.factories import run_trainer, tiny_config, write_dataset
 from trainer import compile_cache, compiled
@@ -140,7 +141,7 @@ def test_corrupt_cache_is_skipped_and_the_job_trains(tmp_path):
     env = {"TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_DIR)}
     result = run_trainer(config, tmp_path, env=env, timeout=600)
     out = result.stdout + result.stderr
-    assert result.returncode == exit_codes.SUCCESS, out[-4000:]
+    assert result.returncode == ExitCode.SUCCESS, out[-4000:]
     assert "compile cache" in out and "skipped (corrupt)" in out
 
     events = read_events(config.job_url)

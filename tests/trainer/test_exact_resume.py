@@ -8,7 +8,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from infra import exit_codes, storage
+from infra import storage
+from infra.exit_codes import ExitCode
 from infra.ledger import read_events
 from tests.factories import run_trainer, tiny_config, write_dataset
 from trainer.checkpoint.manifest import committed_checkpoints
@@ -32,7 +33,7 @@ def run_until_done(config, tmp_path, nproc: int, max_attempts: int = 6) -> list[
     for _ in range(max_attempts):
         result = run_trainer(config, tmp_path, nproc=nproc)
         codes.append(result.returncode)
-        if result.returncode == exit_codes.SUCCESS:
+        if result.returncode == ExitCode.SUCCESS:
             return codes
         assert "Traceback" not in result.stdout, result.stdout[-3000:]
     raise AssertionError(f"job did not finish in {max_attempts} attempts: {codes}")

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.staging import StagingOptions
 
 from infra import processes, storage
 from infra.ledger import Ledger
-from infra.settings import JobConfig, dump_config
+from infra.settings import CheckpointMode, JobConfig, dump_config
 from trainer.checkpoint.manifest import (
     MANIFEST,
     CheckpointError,
@@ -128,7 +128,7 @@ class Checkpointer:
         options = StagingOptions(
             use_pinned_memory=on_gpu,
             use_shared_memory=on_gpu,
-            use_async_staging=self.config.checkpoint.mode == "async_staged",
+            use_async_staging=self.config.checkpoint.mode == CheckpointMode.ASYNC_STAGED,
             use_non_blocking_copy=on_gpu,
         )
         return ShardedStateStager(options)
@@ -180,13 +180,13 @@ class Checkpointer:
         scheduled, a third of a 64 MB copy. That is why this path calls ``dcp.save`` on its
         own thread instead of ``dcp.async_save``, which starts its thread mid-copy.
         """
-        mode = "sync" if anchor or blocking else self.config.checkpoint.mode
+        mode = CheckpointMode.SYNC if anchor or blocking else self.config.checkpoint.mode
         with self.ledger.span("checkpoint_blocking", step=step, mode=mode) as attrs:
             waited = self.wait_for_inflight()
             attrs["waited_for_previous_s"] = round(waited, 6)
             state, extra = snapshot()
             error: list[BaseException] = []
-            if mode == "async_staged":
+            if mode == CheckpointMode.ASYNC_STAGED:
                 staging = self._get_stager().begin(state)
 
                 def write_staged() -> None:
@@ -197,7 +197,7 @@ class Checkpointer:
                 self._inflight = InFlight(step, anchor, staging, thread, error)
                 return  # the thread starts in wait_until_staged, once the copy is done
             writer = self._prepare(step, extra)
-            if mode == "sync":
+            if mode == CheckpointMode.SYNC:
                 dcp.save(state, storage_writer=writer, process_group=self.pg)
                 self.on_phase("staged", step)
                 self._finish(step, anchor, error)

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from infra import storage
-from infra.settings import JobConfig
+from infra.settings import CheckpointMode, JobConfig
 from trainer.checkpoint.manifest import (
     CheckpointError,
     CommittedCheckpoint,
@@ -91,7 +91,7 @@ def candidates(config: JobConfig) -> list[CommittedCheckpoint]:
     """What ``checkpoint.resume`` points at: "latest" = this job's committed checkpoints
     (newest first), "none" = nothing, anything else = one checkpoint URL."""
     resume = config.checkpoint.resume
-    if resume == "none" or config.checkpoint.mode == "off":
+    if resume == "none" or config.checkpoint.mode == CheckpointMode.OFF:
         return []
     if resume == "latest":
         return committed_checkpoints(config.job_url)
