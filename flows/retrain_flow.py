@@ -23,7 +23,7 @@ from prefect.cache_policies import NO_CACHE
 from flows.train_flow import train_flow
 from infra import storage
 from infra.settings import load_config
-from tasks.train import logger
+from tasks.logs import logger
 
 PARTITION = re.compile(r"dt=(\d{4}-\d{2}-\d{2})")
 COMPLETE_MARKERS = ("_meta.json", "_SUCCESS")

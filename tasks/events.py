@@ -16,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 
 from infra.ledger import read_events
-from tasks.train import logger
+from tasks.logs import logger
 
 ANCHOR_EVENT = "ett.checkpoint.anchor.committed"
 RESOURCE_PREFIX = "ett.checkpoint."

@@ -19,7 +19,8 @@ from infra import tracking
 from infra.ett import EttReport, report_for_job
 from infra.ett_report import format_table, to_markdown
 from infra.settings import JobConfig
-from tasks.train import AttemptReport, ledger_cause, logger
+from tasks.logs import logger
+from tasks.train import AttemptReport, ledger_cause
 
 
 def artifact_key(*parts: str) -> str:

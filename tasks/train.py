@@ -17,7 +17,6 @@ attempt number with its own ledger files and its own accounting.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import re
 import signal
@@ -31,15 +30,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.exceptions import MissingContextError
 
 from infra import processes, storage
 from infra.exit_codes import ExitCode
 from infra.ledger import Event, Ledger, ledger_url, read_events
 from infra.settings import JobConfig, dump_config, load_config
 from tasks.launch import run_attempt
+from tasks.logs import logger
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,14 +51,6 @@ _STEP = re.compile(r"\bstep (\d+)/(\d+)\b")
 # torchrun's summary of a failed worker: "failed (exitcode: 83)" / "exitcode  : -9 (pid: 7)".
 _WORKER_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
 _ATTEMPT_FILE = re.compile(r"-attempt(\d+)-rank\d+\.jsonl$")
-
-
-def logger() -> logging.Logger | logging.LoggerAdapter[logging.Logger]:
-    """The Prefect run logger inside a flow/task run, a plain logger outside one."""
-    try:
-        return get_run_logger()
-    except MissingContextError:
-        return logging.getLogger("ett.orchestrator")
 
 
 # -- classification -----------------------------------------------------------------------
