@@ -42,7 +42,7 @@ import torch  # noqa: E402
 from infra.ledger import Ledger  # noqa: E402
 from infra.settings import load_config  # noqa: E402
 from trainer.data.synthetic import generate  # noqa: E402
-from trainer.init_stages import initialize  # noqa: E402
+from trainer.init_stages import Initializer  # noqa: E402
 from trainer.train import train_step  # noqa: E402
 
 
@@ -63,7 +63,7 @@ def trainer_step(tmp: Path, batch: int, rows: int, threads: int) -> Callable[[],
     )
     generate(config.data, config.data.url)
     with Ledger(str(tmp / "init")) as init_ledger:
-        parts = initialize(config, init_ledger)
+        parts = Initializer(config, init_ledger, None).run()
     cached = [parts.first_batch] if parts.first_batch is not None else []
     cached += list(itertools.islice(parts.batches, 63))
     batches = itertools.cycle(cached)

@@ -32,15 +32,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """One attempt under torchrun, without an orchestrator (the flow adds retries)."""
-    from tasks.launch import run_attempt, torchrun_command
+    """A job without Prefect: the same attempts, standby, retries and hang detection as the
+    ``train`` flow; exits with the last attempt's code (0 once the job succeeded)."""
+    from infra import storage
+    from infra.ledger import next_attempt
+    from tasks.attempts import LaunchSpec, RetryPolicy
+    from tasks.job import run_job, timeouts_for
 
     config = _config(args)
+    storage.configure(config.storage)
+    policy = RetryPolicy(max_failures=args.max_failures, backoff_s=args.backoff_s)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "job.yaml")
         dump_config(config, path)
-        result = run_attempt(torchrun_command(path, nproc=args.nproc))
-    return result.exit_code
+        spec = LaunchSpec(path, nproc=args.nproc, nnodes=args.nnodes)
+        outcome = run_job(
+            config,
+            spec,
+            policy,
+            timeouts_for(config, args.hang_timeout_s),
+            next_attempt(config.job_url),
+        )
+    print(outcome.message)
+    return 0 if outcome.succeeded else outcome.attempts[-1].exit_code
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -115,8 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("generate", cmd_generate, "write the synthetic click log (Parquet shards)")
     p.add_argument("--url", help="where to write it (default: data.url of the config)")
-    p = add("train", cmd_train, "run one training attempt under torchrun (no orchestrator)")
-    p.add_argument("--nproc", type=int, default=1, help="processes (ranks) on this machine")
+    p = add("train", cmd_train, "run a training job under torchrun, with retries (no Prefect)")
+    p.add_argument("--nproc", type=int, default=1, help="processes (ranks) per node")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes, each a torchrun agent here")
+    p.add_argument("--max-failures", type=int, default=3, help="failures survived")
+    p.add_argument("--backoff-s", type=float, default=10.0, help="wait when a failure repeats")
+    p.add_argument("--hang-timeout-s", type=float, default=600.0, help="no step for this long")
     p = add("report", cmd_report, "print the ETT breakdown of a job")
     p.add_argument("job", help="job id (under storage.root) or the job's URL")
     p = add("advise", cmd_advise, "the checkpoint interval that minimises lost time", config=False)

@@ -1,13 +1,14 @@
 """The ``train`` flow: a training job as a sequence of attempts that survives failures.
 
-    config -> [attempt 0] -crash-> backoff -> [attempt 1] -preempted-> [attempt 2] -ok->
-    anchor event (publishing starts on its own) -> ETT report -> done
+    config -> [attempt 0] -crash-> promote standby -> [attempt 1] -preempted-> [attempt 2]
+    -ok-> anchor event (publishing starts on its own) -> ETT report -> done
 
-Each attempt is a task (tasks/train.py) that runs the trainer under torchrun, streams its log
-here and writes the orchestrator's ledger spans. The trainer resumes from the newest committed
-checkpoint by itself. Preemptions (exit 83) relaunch at once and are not counted against
-``max_failures``; crashes, lost workers (SIGKILL) and hangs back off exponentially from
-``backoff_s``. A bad config (exit 2) or an incompatible checkpoint (exit 84) is not retried.
+The attempt lifecycle (launch, watch, classify, retry, warm standby, side evaluator) is
+tasks/attempts.py and tasks/job.py; each attempt shows up here as a task run. The trainer
+resumes from the newest committed checkpoint by itself. Preemptions (exit 83) and the first
+failure of a kind relaunch at once; the same failure repeating backs off exponentially from
+``backoff_s``. A bad config or data (exit 2, 88), an incompatible checkpoint (exit 84) or a
+job id held by another job (exit 89) is not retried.
 
 When the last attempt succeeds, the flow emits ``ett.checkpoint.anchor.committed`` for the
 anchor checkpoint and finishes without waiting for publishing. The ETT report is logged to
@@ -27,20 +28,14 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.runtime import flow_run
 
 from infra import storage
+from infra.control import Phase, Progress
+from infra.ledger import next_attempt
+from tasks.attempts import LaunchSpec, RetryPolicy
 from tasks.events import emit_anchor_committed, find_anchor
-from tasks.launch import torchrun_command
+from tasks.job import run_job, timeouts_for
+from tasks.logs import logger
 from tasks.report import artifact_key, log_attempt, report_job, start_tracking
-from tasks.train import (
-    AttemptFailed,
-    AttemptReport,
-    ProgressThrottle,
-    RetryPolicy,
-    attempt_task,
-    logger,
-    next_attempt,
-    prepare_job,
-    run_attempts,
-)
+from tasks.train import ProgressThrottle, prepare_job, watch_in_task
 
 
 class TrainingFailed(RuntimeError):
@@ -60,6 +55,7 @@ def train_flow(
     config: str | None = None,
     overrides: dict[str, Any] | None = None,
     nproc: int = 1,
+    nnodes: int = 1,
     max_failures: int = 3,
     backoff_s: float = 10.0,
     hang_timeout_s: float = 600.0,
@@ -71,14 +67,15 @@ def train_flow(
         config: job config file (YAML/TOML); the embedded defaults when None.
         overrides: nested sections merged over the file, e.g. {"train": {"steps": 50}}
             (ETT_* environment variables still win, as everywhere).
-        nproc: trainer processes (ranks) per attempt, on this machine.
+        nproc: trainer processes (ranks) per node.
+        nnodes: nodes; on one machine each is its own torchrun agent, joined by c10d
+            rendezvous on loopback.
         max_failures: failures (crash, lost worker, hang) survived; one more fails the job.
-        backoff_s: wait before relaunching after the first failure; doubles per failure
-            (capped at 300 s). Preemptions relaunch at once.
-        hang_timeout_s: an attempt with no progress line for this long is killed as hung.
-            Before its first step any output line counts as progress, but the silent
-            start (interpreter, torch import, torchrun) counts against it too: keep it well
-            above that (15-60 s on a 2-core machine, more with compilation).
+        backoff_s: wait before relaunching after the same kind of failure happened twice in a
+            row; doubles per repeat (capped at 300 s). Preemptions and the first failure of a
+            kind relaunch at once.
+        hang_timeout_s: an attempt that makes no training step for this long is killed as
+            hung (before its first step, the startup timeout applies: at least 300 s).
         faults: injected failures for tests and demos, e.g.
             [{"kind": "sigkill", "step": 300, "attempt": 0}] (see infra.settings.FaultConfig).
     Returns: job id and URL, attempts, anchor, MLflow run id and the ETT headline numbers.
@@ -88,49 +85,42 @@ def train_flow(
     log = logger()
     job, config_path = prepare_job(config, overrides, faults)
     storage.configure(job.storage)  # this process reads the job's ledger too
-    run_id = start_tracking(job)
     first = next_attempt(job.job_url)
     if first:
         log.info("job %s has %d earlier attempt(s): continuing its numbering", job.job_id, first)
+    # MLflow's run is made while the first attempt starts (its imports take seconds).
+    tracking = start_tracking.submit(job)
     progress_id = create_progress_artifact(
         progress=0.0,
         key=artifact_key("train-progress", job.job_id),
         description=f"Steps done of job {job.job_id} ({job.train.steps} steps)",
     )
-    context = contextvars.copy_context()  # the log pump thread reports with this run's client
-    on_step = ProgressThrottle(
+    context = contextvars.copy_context()  # progress arrives on the watch thread
+    throttle = ProgressThrottle(
         lambda pct: context.run(update_progress_artifact, artifact_id=progress_id, progress=pct)
     )
-    command = torchrun_command(config_path, nproc=nproc)
 
-    def launch(attempt: int) -> AttemptReport:
-        state = attempt_task(
-            job.job_url,
-            command,
-            attempt,
-            hang_timeout_s,
-            None,
-            on_step,
-            scheduling if attempt == first else None,
-            return_state=True,
-        )
-        if state.is_completed():
-            return state.result()
-        error = state.result(raise_on_failure=False)
-        if isinstance(error, AttemptFailed):
-            return error.report
-        raise RuntimeError(f"attempt {attempt} could not be run: {error}")
+    def on_progress(progress: Progress) -> None:
+        if progress.phase == Phase.TRAINING:
+            throttle(progress.step, progress.total)
 
-    policy = RetryPolicy(max_failures=max_failures, backoff_s=backoff_s)
+    spec = LaunchSpec(config_path, nproc=nproc, nnodes=nnodes)
     try:
-        outcome = run_attempts(
-            launch,
+        outcome = run_job(
+            job,
+            spec,
+            RetryPolicy(max_failures=max_failures, backoff_s=backoff_s),
+            timeouts_for(job, hang_timeout_s),
             first,
-            policy,
-            on_attempt=lambda r: log_attempt(run_id, job.tracking.mlflow_uri, r),
+            log=log,
+            run_attempt=watch_in_task,
+            on_progress=on_progress,
+            on_attempt=lambda r: log_attempt(tracking.result(), job.tracking.mlflow_uri, r),
+            scheduling=scheduling,
         )
     finally:
         shutil.rmtree(os.path.dirname(config_path), ignore_errors=True)  # the ranks' copy
+    run_id = tracking.result()
     anchor = find_anchor(job.job_url) if outcome.succeeded else None
     event_id = None
     if anchor is not None:
@@ -138,8 +128,8 @@ def train_flow(
         event_id = emit_anchor_committed(anchor, job.job_id, run_id)
     elif outcome.succeeded:
         log.warning(
-            "job %s succeeded without an anchor checkpoint (checkpoint.mode off?): "
-            "nothing to publish",
+            "job %s succeeded without an anchor checkpoint (checkpoint.mode off?): nothing "
+            "to publish",
             job.job_id,
         )
 
@@ -162,12 +152,8 @@ def train_flow(
     if not outcome.succeeded:
         logged = "ETT report logged" if report is not None else "no ETT report"
         raise TrainingFailed(f"job {job.job_id} failed: {outcome.message} ({logged})")
-    log.info(
-        "job %s %s; ETT %s",
-        job.job_id,
-        outcome.message,
-        f"{report['ett_pct']:.1f}%" if report else "unknown",
-    )
+    ett = f"{report['ett_pct']:.1f}%" if report else "unknown"
+    log.info("job %s %s; ETT %s", job.job_id, outcome.message, ett)
     return {
         "job_id": job.job_id,
         "job_url": job.job_url,

@@ -58,6 +58,11 @@ class Advice:
         return "\n".join(lines)
 
 
+def young_interval(cost_s: float, mtbf_s: float) -> float:
+    """Young's tau* = sqrt(2 C MTBF): the interval that minimises blocking plus lost work."""
+    return math.sqrt(2.0 * cost_s * mtbf_s)
+
+
 def waste_fraction(interval_s: float, blocking_s: float, mtbf_s: float) -> float:
     """Young's first-order waste: blocking share plus expected unsaved share."""
     return blocking_s / interval_s + interval_s / (2.0 * mtbf_s)
@@ -76,7 +81,7 @@ def optimal_interval(
     """
     if blocking_s <= 0 or mtbf_s <= 0:
         raise ValueError(f"need blocking_s > 0 and mtbf_s > 0, got {blocking_s}, {mtbf_s}")
-    young = math.sqrt(2.0 * blocking_s * mtbf_s)
+    young = young_interval(blocking_s, mtbf_s)
     bound = upload_s is not None and upload_s > young
     interval = upload_s if bound and upload_s is not None else young
     steps = None

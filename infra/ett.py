@@ -13,8 +13,19 @@ stepped), plus a planned restart (an attempt ended by shutdown without job_end) 
 step; ``recovery`` is, per failure, the failed attempt's last event up to the first train_step
 of a later attempt; ``other`` is the rest (gaps between steps, ...). A train_step execution is
 effective if it is the last execution of its step number (by attempt, then start), else it was
-redone later: wasted. Only rank 0 is partitioned (DESIGN.md); other ranks feed straggler stats.
+redone later: wasted. Only rank 0 is partitioned: the ranks step together, so rank 0's
+spans stand for the job; other ranks feed straggler stats.
 ETT% = effective/W, Failure% = (wasted + recovery)/W, Idleness% = 100 - ETT% - Failure%.
+
+Warm standby: a standby attempt initialises and parks while another attempt trains. Its
+time before promotion is not the job's: an attempt with a ``standby_ready`` mark counts
+from its ``promoted`` mark on (its earlier events are dropped, and reported as pre-warm),
+and one never promoted is dropped whole. Its Time to Recover runs, as for any failure,
+from the failed attempt's last event to the promoted attempt's first step.
+
+In-process restart: an ``in_process_restart`` mark is a failure inside a living attempt.
+Its recovery window runs from the mark to the attempt's next train_step; the steps redone
+after it are wasted as usual (the same step number runs again later in the same attempt).
 """
 
 from __future__ import annotations
@@ -25,7 +36,8 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from infra.ledger import INIT_SPANS, PUBLISH_SPANS, Event, Span, read_events
+from infra.exit_codes import Outcome
+from infra.ledger import INIT_SPANS, PUBLISH_SPANS, Event, Mark, Span, read_events
 
 BUCKETS = (
     "effective_training",
@@ -51,6 +63,18 @@ PRIORITY = (
 FAILURE_BUCKETS = ("wasted_training", "recovery")
 # Stages whose overlap decides how long an attempt takes to reach its first step.
 STARTUP_STAGES = (Span.SCHEDULING, Span.LAUNCHER_INIT, *INIT_SPANS)
+# Work beside the job, not part of its wall time: publishing, the side evaluator.
+OFF_JOB_SPANS = frozenset((*PUBLISH_SPANS, Span.ASYNC_EVAL))
+
+
+@dataclass(frozen=True)
+class StandbyRecord:
+    """A warm standby that was promoted: its pre-warm ran beside another attempt."""
+
+    attempt: int
+    prewarm_s: float  # its first event -> parked (standby_ready)
+    parked_s: float  # parked -> promoted
+    promoted_at: float  # seconds from W's start
 
 
 @dataclass(frozen=True)
@@ -69,6 +93,7 @@ class FailureRecord:
     detected_at: float | None
     resumed_at: float | None
     time_to_recover_s: float
+    in_process: bool = False  # recovered inside the living attempt (no new process)
 
 
 @dataclass(frozen=True)
@@ -126,6 +151,8 @@ class EttReport:
     init: tuple[InitBreakdown, ...]
     rank_step_median_s: dict[int, float]
     finished: bool
+    standbys: tuple[StandbyRecord, ...] = ()
+    checkpoint_interval_reason: str | None = None  # the last interval the trainer chose
     segments: tuple[tuple[float, float, str], ...] = field(repr=False, default=())
 
     def bucket_pct(self) -> dict[str, float]:
@@ -307,9 +334,61 @@ def _failures(
     return out, windows
 
 
+def _drop_standby_prewarm(events: list[Event]) -> tuple[list[Event], list[StandbyRecord]]:
+    """A standby's events before its promotion are not the job's; a never-promoted standby's
+    are none of the job's (see the module docstring). Promotion times are absolute here."""
+    ready = {e.attempt: e.start for e in events if e.name == Mark.STANDBY_READY and e.rank == 0}
+    if not ready:
+        return events, []
+    promoted = {e.attempt: e.start for e in events if e.name == Mark.PROMOTED and e.rank == 0}
+    firsts: dict[int, float] = {}
+    for e in events:
+        if e.attempt in ready:
+            firsts[e.attempt] = min(firsts.get(e.attempt, e.start), e.start)
+    kept = [
+        e
+        for e in events
+        if e.attempt not in ready or (e.attempt in promoted and e.end > promoted[e.attempt])
+    ]
+    records = [
+        StandbyRecord(a, ready[a] - firsts[a], promoted[a] - ready[a], promoted[a])
+        for a in sorted(promoted)
+        if a in ready
+    ]
+    return kept, records
+
+
+def _in_process_failures(
+    job: list[Event], steps: list[Event], t0: float
+) -> tuple[list[FailureRecord], list[tuple[float, float, str]]]:
+    """Failures recovered inside a living attempt: mark -> that attempt's next step."""
+    out, windows = [], []
+    for mark in sorted(
+        (e for e in job if e.name == Mark.IN_PROCESS_RESTART), key=lambda e: e.start
+    ):
+        later = [e.start for e in steps if e.attempt == mark.attempt and e.start >= mark.start]
+        resumed = min(later, default=None)
+        end = resumed if resumed is not None else mark.start
+        windows.append((mark.start, end, "recovery"))
+        out.append(
+            FailureRecord(
+                attempt=mark.attempt,
+                cause=str(Outcome.CRASH),
+                last_step=mark.step,
+                died_at=mark.start - t0,
+                detected_at=mark.start - t0,
+                resumed_at=None if resumed is None else resumed - t0,
+                time_to_recover_s=end - mark.start,
+                in_process=True,
+            )
+        )
+    return out, windows
+
+
 def compute_report(events: list[Event], interval_s: float | None = None) -> EttReport:
     """Partition W and derive the L1 metrics; ``interval_s`` overrides the observed interval."""
-    job = [e for e in events if e.rank == 0 and e.name not in PUBLISH_SPANS]
+    events, standbys = _drop_standby_prewarm(events)
+    job = [e for e in events if e.rank == 0 and e.name not in OFF_JOB_SPANS]
     if not job:
         raise ValueError("no rank-0 events in the ledger: nothing to account for")
     t0, t1 = min(e.start for e in job), max(e.end for e in job)
@@ -325,6 +404,9 @@ def compute_report(events: list[Event], interval_s: float | None = None) -> EttR
         last_end[e.attempt] = max(last_end.get(e.attempt, e.end), e.end)
     attempts, died, restarts = _attempts(order, by_attempt, steps, t0)
     failures, windows = _failures(died, attempts, steps, t0, t1)
+    in_process, in_process_windows = _in_process_failures(job, steps, t0)
+    failures = sorted(failures + in_process, key=lambda f: f.died_at)
+    windows += in_process_windows
 
     # -- windows, then spans: effective vs wasted steps, then the sweep --------------------
     for t_end, a in restarts:
@@ -416,4 +498,15 @@ def compute_report(events: list[Event], interval_s: float | None = None) -> EttR
         rank_step_median_s={r: statistics.median(v) for r, v in sorted(per_rank.items())},
         finished=any(a.outcome == "completed" for a in attempts),
         segments=tuple(segments),
+        standbys=tuple(
+            StandbyRecord(r.attempt, r.prewarm_s, r.parked_s, r.promoted_at - t0) for r in standbys
+        ),
+        checkpoint_interval_reason=next(
+            (
+                str(e.attrs.get("reason"))
+                for e in reversed(job)
+                if e.name == Mark.CHECKPOINT_INTERVAL
+            ),
+            None,
+        ),
     )

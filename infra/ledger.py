@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -58,6 +59,8 @@ class Span(StrEnum):
     TRAIN_STEP = "train_step"
     CHECKPOINT_BLOCKING = "checkpoint_blocking"
     EVAL = "eval"
+    # the side evaluator (trainer/evaluator.py), beside the job
+    ASYNC_EVAL = "async_eval"
     # work moved off the training job, in its own files
     PUBLISH_LOAD = "publish_load"
     PUBLISH_EXPORT = "publish_export"
@@ -69,6 +72,10 @@ class Mark(StrEnum):
     """Mark names: the closed vocabulary of instants."""
 
     ATTEMPT_START = "attempt_start"
+    STANDBY_READY = "standby_ready"  # a warm standby finished its init and parked
+    PROMOTED = "promoted"  # ...and was promoted: the job's time for it starts here
+    IN_PROCESS_RESTART = "in_process_restart"  # an exception in a step, recovered in place
+    CHECKPOINT_INTERVAL = "checkpoint_interval"  # the interval chosen, and why
     FAILURE = "failure"
     RESUME = "resume"
     CHECKPOINT_COMMITTED = "checkpoint_committed"
@@ -192,6 +199,21 @@ def ledger_url(job_url: str) -> str:
 
 def _file_name(attempt: int, rank: int, role: str) -> str:
     return f"{role}-attempt{attempt:03d}-rank{rank:03d}.jsonl"
+
+
+_ATTEMPT_FILE = re.compile(r"^(?P<role>[a-z]+)-attempt(?P<attempt>\d+)-rank(?P<rank>\d+)\.jsonl")
+
+
+def next_attempt(job_url: str, role: str | None = None, rank: int | None = None) -> int:
+    """One past the highest attempt number in the job's ledger files (0 for a new job):
+    of any writer, or only of ``role`` (and ``rank``). The one rule for numbering attempts,
+    so a job that is run again continues its numbering and its report covers every attempt."""
+    numbers = []
+    for url in storage.glob(storage.join(ledger_url(job_url), "*.jsonl*")):
+        m = _ATTEMPT_FILE.match(url.rstrip("/").rsplit("/", 1)[-1])
+        if m and role in (None, m["role"]) and rank in (None, int(m["rank"])):
+            numbers.append(int(m["attempt"]))
+    return max(numbers) + 1 if numbers else 0
 
 
 class Ledger:

@@ -103,12 +103,21 @@ class ModelConfig(_Frozen):
         return self
 
 
+class EvalMode(StrEnum):
+    """Where holdout evaluation runs (every ``train.eval_every`` steps and at the end)."""
+
+    INLINE = "inline"  # in the training loop: training waits for it
+    ASYNC = "async"  # a side process evaluates committed checkpoints (trainer/evaluator.py)
+    OFF = "off"
+
+
 class TrainConfig(_Frozen):
     """The training loop."""
 
     steps: int = Field(default=600, ge=1)
     dense_lr: float = Field(default=3e-3, gt=0, le=10)
     sparse_lr: float = Field(default=0.1, gt=0, le=10)
+    eval: EvalMode = EvalMode.ASYNC
     eval_every: int = Field(default=200, ge=0)
     eval_rows: int = Field(default=50_000, ge=1)
     log_every: int = Field(default=50, ge=1)
@@ -138,13 +147,40 @@ class CheckpointConfig(_Frozen):
     """When and how checkpoints are taken (see DESIGN.md, checkpoint protocol)."""
 
     mode: CheckpointMode = CheckpointMode.ASYNC_STAGED
-    every_steps: int | None = Field(default=100, ge=1)
+    # "auto": chosen by the interval advisor from the measured cost of a checkpoint and the
+    # job's failures (trainer/checkpoint/interval.py); an int: every N steps.
+    every_steps: int | Literal["auto"] | None = Field(default="auto")
     every_seconds: float | None = Field(default=None, gt=0)
     keep_latest_k: int = Field(default=3, ge=1)
     resume: str = "latest"  # "latest", "none", or one checkpoint's URL
     warm_start: str | None = None  # a checkpoint URL whose model seeds a job with none of its own
     fallback_on_corrupt: bool = True
     preemption_budget_s: float = Field(default=60.0, gt=0)
+    # every_steps: auto spends at most this share of training time on checkpoints until
+    # failures are seen (then Young's interval from the observed MTBF takes over).
+    cost_budget: float = Field(default=0.01, gt=0, le=0.5)
+
+    @model_validator(mode="after")
+    def _positive_steps(self) -> CheckpointConfig:
+        if isinstance(self.every_steps, int) and self.every_steps < 1:
+            raise ValueError(f"every_steps must be >= 1 or 'auto', got {self.every_steps}")
+        return self
+
+
+class RecoveryConfig(_Frozen):
+    """How an attempt recovers from failures (tasks/attempts.py, trainer/restart.py)."""
+
+    # A warm standby attempt initialises while each attempt trains and parks; on a failure
+    # it is promoted at once. It costs one more trainer process per rank while parked
+    # (memory, no CPU): see docs/recovery.md.
+    standby: bool = True
+    # An exception inside a step restores the newest committed checkpoint in the same
+    # process, when every rank agrees within agree_timeout_s...
+    in_process_restart: bool = True
+    agree_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    # ...unless the previous in-process restart was less than this long ago: then the
+    # attempt fails and the orchestrator takes over.
+    in_process_window_s: float = Field(default=60.0, ge=0, le=86_400)
 
 
 class FaultConfig(_Frozen):
@@ -196,6 +232,7 @@ class JobConfig(BaseSettings):
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    recovery: RecoveryConfig = RecoveryConfig()
     faults: tuple[FaultConfig, ...] = ()
     tracking: TrackingConfig = TrackingConfig()
 

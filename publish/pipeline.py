@@ -27,7 +27,7 @@ from typing import Any
 from mlflow import MlflowClient
 
 from infra import storage
-from infra.ledger import Ledger, ledger_url
+from infra.ledger import Ledger, next_attempt
 from infra.settings import JobConfig
 from publish import export as export_mod
 from publish import registry, validate
@@ -121,8 +121,7 @@ class Publication:
         the next free attempt number: on object storage a ledger file is re-uploaded whole,
         so reusing attempt 0 would erase an earlier publish run's spans."""
         if self.ledger is None:
-            pattern = storage.join(ledger_url(self.job_url), f"{ROLE}-attempt*-rank000.jsonl")
-            attempt = len(storage.glob(pattern))
+            attempt = next_attempt(self.job_url, role=ROLE, rank=0)
             self.ledger = Ledger(self.job_url, attempt=attempt, rank=0, role=ROLE)
         return self.ledger
 

@@ -19,8 +19,8 @@ from infra import tracking
 from infra.ett import EttReport, report_for_job
 from infra.ett_report import format_table, to_markdown
 from infra.settings import JobConfig
+from tasks.attempts import AttemptReport
 from tasks.logs import logger
-from tasks.train import AttemptReport, ledger_cause
 
 
 def artifact_key(*parts: str) -> str:
@@ -47,7 +47,7 @@ def log_attempt(run_id: str | None, tracking_uri: str, report: AttemptReport) ->
             run_id,
             report.attempt,
             report.exit_code,
-            "success" if not report.failed else ledger_cause(report.outcome),
+            str(report.outcome),
             report.started,
             report.ended,
             report.last_step,

@@ -49,6 +49,13 @@ def write_dataset(config: JobConfig) -> dict[str, Any]:
     return generate(config.data, config.data.url)
 
 
+def trainer_command(config_path: str | Path, nproc: int = 1) -> list[str]:
+    """The command line of one single-node attempt, exactly as the orchestrator builds it."""
+    from tasks.attempts import LaunchSpec
+
+    return LaunchSpec(str(config_path), nproc=nproc).commands(0, "test")[0]
+
+
 def run_trainer(
     config: JobConfig,
     tmp_path: Path,
@@ -56,14 +63,13 @@ def run_trainer(
     env: dict[str, str] | None = None,
     timeout: float = 300,
 ) -> subprocess.CompletedProcess[str]:
-    """One attempt under torchrun, as the orchestrator would launch it."""
-    from tasks.launch import torchrun_command
-
+    """One attempt under torchrun, as the orchestrator would launch it (no orchestrator:
+    no control channel, no standby, no retries)."""
     path = tmp_path / f"{config.job_id}.yaml"
     dump_config(config, path)
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(
-        torchrun_command(str(path), nproc=nproc),
+        trainer_command(path, nproc=nproc),
         env=full_env,
         capture_output=True,
         text=True,
@@ -72,4 +78,4 @@ def run_trainer(
     )
 
 
-__all__ = ["tiny_config", "write_dataset", "run_trainer"]
+__all__ = ["tiny_config", "write_dataset", "run_trainer", "trainer_command"]

@@ -1,25 +1,32 @@
-"""Trainer initialisation: the L2 init sub-stages of a training attempt, each a ledger span.
+"""Trainer initialisation: the init sub-stages of an attempt, one method each, each a ledger span.
 
-The stages form a small dependency graph (``STAGE_DEPS``). With ``train.parallel_init``
-each stage runs on its own thread as soon as its inputs are ready (spans overlap; the ETT
-report's InitBreakdown finds the critical path); otherwise they run one after another in
-the original order, compile last before the first batch::
+The stages form a small dependency graph (``STAGE_DEPS``). With ``train.parallel_init`` each
+stage runs on its own thread once the stages it needs are done (spans overlap; the ETT
+report's InitBreakdown finds the critical path); otherwise they run one after another::
 
-    device_init ─► process_group_init ─┬─► preproc_creation ──────► get_first_batch_data
-                                       ├─► train_module_creation ─┬─► pre_train[restore]
+    device_init ─► process_group_init ─┬─► preproc_creation ─────────────► get_first_batch_data
+                                       ├─► train_module_creation ─┬─► restore
                                        └─► init_plugins ──────────┘
-               ─► pre_train[compile_cache_load] ─► pre_train[compile] (warm-up, fast batch)
+               ─► compile_cache_load ─► compile (warm-up on a fast batch)
 
-* The first real batch is fetched while the model is built and restored: its data position
-  comes from a peek at the checkpoint restore will pick (a small JSON file). If restore
-  ends up elsewhere (the newest checkpoint is corrupt), the loader is re-positioned and the
-  batch fetched again, so a resumed run is exact either way.
+**Warm standby.** A standby attempt (``ETT_STANDBY=1``, started by the orchestrator while
+another attempt trains) runs every stage that does not depend on the job's progress, then
+parks at the ``promotion`` gate: a blocking read on its control pipe (infra/control.py), no
+CPU. ``restore`` and ``get_first_batch_data`` wait for the gate, so once promoted the
+standby only loads the newest committed checkpoint and its first batch. A cold attempt's
+gate is open from the start.
+
+* The first real batch is fetched while the model is restored: its data position comes from
+  a peek at the checkpoint restore will pick (a small JSON file). If restore ends up
+  elsewhere (the newest checkpoint is corrupt), the loader is re-positioned and the batch
+  fetched again, so a resumed run is exact either way.
 * Compilation is warmed up on a structurally identical copy of the dense interaction with a
   synthetic fast batch (trainer/compiled.py), after the shared compile cache has been loaded
-  (trainer/compile_cache.py); it needs neither the process group nor the model, so it runs
-  from the start. The ``pre_train`` span of the warm-up holds a nested ``compile`` span.
-* Collectives: only train_module_creation uses the default group before restore (which
-  depends on it); restore and checkpoints use their own gloo group.
+  (trainer/compile_cache.py); it needs neither the process group nor the model. The
+  ``compile_cache_load`` and ``compile`` stages are ``pre_train`` spans (with a ``stage``
+  attr), as is ``restore``; the warm-up holds a nested ``compile`` span.
+* Collectives before restore: only train_module_creation uses the default group; restore
+  and checkpoints use their own gloo group.
 """
 
 from __future__ import annotations
@@ -29,13 +36,15 @@ import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from infra import storage
-from infra.ledger import INIT_SPANS, Ledger
+from infra.control import Command, Phase, RankControl
+from infra.ledger import Ledger, Mark, Span
 from infra.settings import JobConfig
 from trainer import compile_cache, compiled
 from trainer.checkpoint.checkpointer import Checkpointer
@@ -53,18 +62,37 @@ log = logging.getLogger(__name__)
 
 INITIAL_POSITION = {"epoch": 0, "shard_pos": 0, "row_offset": 0}
 
-# The graph (parallel mode). Keys are span names, or a pre_train span's "stage" attr.
-STAGE_DEPS: dict[str, tuple[str, ...]] = {
-    "device_init": (),
-    "process_group_init": ("device_init",),
-    "preproc_creation": ("process_group_init",),
-    "train_module_creation": ("process_group_init",),
-    "init_plugins": ("process_group_init",),
-    "restore": ("train_module_creation", "init_plugins"),
-    "compile_cache_load": ("device_init",),
-    "compile": ("compile_cache_load",),
-    "get_first_batch_data": ("preproc_creation",),
+
+class InitStage(StrEnum):
+    DEVICE_INIT = "device_init"
+    PROCESS_GROUP_INIT = "process_group_init"
+    PREPROC_CREATION = "preproc_creation"
+    TRAIN_MODULE_CREATION = "train_module_creation"
+    INIT_PLUGINS = "init_plugins"
+    COMPILE_CACHE_LOAD = "compile_cache_load"
+    COMPILE = "compile"
+    PROMOTION = "promotion"  # the standby gate; not a span
+    RESTORE = "restore"
+    GET_FIRST_BATCH_DATA = "get_first_batch_data"
+
+
+S = InitStage
+# Parallel mode. A standby's promotion gate depends on every stage before it (see
+# ``Initializer.graph``); a cold attempt's has no dependency.
+STAGE_DEPS: dict[InitStage, tuple[InitStage, ...]] = {
+    S.DEVICE_INIT: (),
+    S.PROCESS_GROUP_INIT: (S.DEVICE_INIT,),
+    S.PREPROC_CREATION: (S.PROCESS_GROUP_INIT,),
+    S.TRAIN_MODULE_CREATION: (S.PROCESS_GROUP_INIT,),
+    S.INIT_PLUGINS: (S.PROCESS_GROUP_INIT,),
+    S.COMPILE_CACHE_LOAD: (S.DEVICE_INIT,),
+    S.COMPILE: (S.COMPILE_CACHE_LOAD,),
+    S.PROMOTION: (),
+    S.RESTORE: (S.TRAIN_MODULE_CREATION, S.INIT_PLUGINS, S.PROMOTION),
+    S.GET_FIRST_BATCH_DATA: (S.PREPROC_CREATION, S.PROMOTION),
 }
+# Stages recorded as a ``pre_train`` span with a ``stage`` attr; the gate has no span.
+PRE_TRAIN_STAGES = frozenset({S.COMPILE_CACHE_LOAD, S.COMPILE, S.RESTORE})
 
 
 @dataclass
@@ -80,9 +108,18 @@ class CompileState:
     watcher: compiled.RecompileWatcher | None = None
 
 
+@dataclass(frozen=True)
+class Resume:
+    """Where training continues: the step done, the loader position (None: start)."""
+
+    step: int = 0
+    loader: dict[str, Any] | None = None
+    url: str | None = None
+
+
 @dataclass
 class Components:
-    """Everything the training loop needs, built by ``initialize``."""
+    """Everything the training loop needs, built by ``Initializer.run``."""
 
     env: DistEnv
     loader: TrainLoader
@@ -93,93 +130,167 @@ class Components:
     holdout: list[Batch]
     faults: FaultInjector
     checkpointer: Checkpointer
+    control_group: dist.ProcessGroup
     start_step: int
+    promotion: dict[str, Any] = field(default_factory=dict)  # what the orchestrator sent
     compile: CompileState = field(default_factory=lambda: CompileState(enabled=False))
 
 
-@dataclass(frozen=True)
-class Resume:
-    """Where training continues: the step done, the loader position (None: start)."""
+class Initializer:
+    """The init stages of one attempt; each method fills in typed attributes."""
 
-    step: int = 0
-    loader: dict[str, Any] | None = None
-    url: str | None = None
+    device: torch.device
+    backend: str
+    env: DistEnv
+    checkpoint_group: dist.ProcessGroup  # DCP's background thread only
+    control_group: dist.ProcessGroup  # CPU agreement on the training thread
+    loader: TrainLoader
+    model: torch.nn.Module
+    optimizer: Any
+    holdout: list[Batch]
+    faults: FaultInjector
+    checkpointer: Checkpointer
+    resume: Resume
+    guess: Resume | None
+    batches: Iterator[Batch]
+    pending: Batch | None
 
+    def __init__(self, config: JobConfig, ledger: Ledger, control: RankControl | None) -> None:
+        self.config, self.ledger, self.control = config, ledger, control
+        self.standby = control is not None and control.standby
+        self.compile_state = CompileState(enabled=config.train.compile)
+        self.promoted_with: dict[str, Any] = {}
+        self._warm_copy: torch.nn.Module | None = None
+        self._key_parts: dict[str, Any] = {}
 
-# -- initialize -----------------------------------------------------------------------------
-def initialize(config: JobConfig, ledger: Ledger) -> Components:
-    """Run the init sub-stages (a graph on threads, or in order); returns the components."""
-    parallel = config.train.parallel_init
-    with ledger.span("device_init", parallel=parallel):
-        device, backend = select_device(config.train.backend)
-        state = CompileState(enabled=config.train.compile)
-        copy, parts = None, {}
-        if state.enabled:
-            parts = compile_cache.key_parts(config, device, compiled.compile_options())
-            state.job_id = f"ett-{compile_cache.cache_key(parts)}"
-            compiled.configure(state.job_id)  # for this (the training) thread
+    # -- the graph ---------------------------------------------------------------------------
+    def graph(self) -> list[Stage]:
+        """The stages in a valid serial order, with this attempt's dependencies."""
+        order = list(InitStage)
+        if not self.compile_state.enabled:
+            order = [s for s in order if s not in (S.COMPILE_CACHE_LOAD, S.COMPILE)]
+        stages = []
+        for key in order:
+            deps = tuple(d for d in STAGE_DEPS[key] if d in order)
+            if key == S.PROMOTION and self.standby:
+                deps = tuple(order[: order.index(S.PROMOTION)])
+            if key == S.GET_FIRST_BATCH_DATA and not self.config.train.parallel_init:
+                deps += (S.RESTORE,)  # serial: the position comes from restore, no peek
+            span = None if key == S.PROMOTION else Span.PRE_TRAIN
+            attrs = {"stage": str(key)} if key in PRE_TRAIN_STAGES else {}
+            if key not in PRE_TRAIN_STAGES and key != S.PROMOTION:
+                span = Span(str(key))
+            stages.append(Stage(str(key), span, getattr(self, str(key)), deps, attrs))
+        return stages
+
+    def run(self) -> Components:
+        """Run the graph (on threads, or in order); returns the components."""
+        with self.ledger.span(Span.DEVICE_INIT, parallel=self.config.train.parallel_init) as a:
+            self.device_init(a)
+        stages = [s for s in self.graph() if s.key != S.DEVICE_INIT]
+        try:
+            run_stages(
+                stages,
+                self.ledger,
+                self.config.train.parallel_init,
+                self.device,
+                done={S.DEVICE_INIT},
+            )
+        except BaseException:
+            if hasattr(self, "loader"):  # its prefetch thread may be reading ahead
+                self.loader.close()
+            raise
+        self._settle_first_batch()
+        if self.compile_state.enabled:
+            self._finish_compile()
+        return Components(
+            env=self.env,
+            loader=self.loader,
+            batches=self.batches,
+            first_batch=self.pending,
+            model=self.model,
+            optimizer=self.optimizer,
+            holdout=self.holdout,
+            faults=self.faults,
+            checkpointer=self.checkpointer,
+            control_group=self.control_group,
+            start_step=self.resume.step,
+            promotion=self.promoted_with,
+            compile=self.compile_state,
+        )
+
+    # -- the stages --------------------------------------------------------------------------
+    def device_init(self, attrs: dict[str, Any]) -> None:
+        self.device, self.backend = select_device(self.config.train.backend)
+        if self.compile_state.enabled:
+            parts = compile_cache.key_parts(self.config, self.device, compiled.compile_options())
+            self._key_parts = parts
+            self.compile_state.job_id = f"ett-{compile_cache.cache_key(parts)}"
+            compiled.configure(self.compile_state.job_id)  # for this (the training) thread
             # Built here, before any other thread runs: it forks the global RNG stream.
-            copy = compiled.interaction_like(config)
+            self._warm_copy = compiled.interaction_like(self.config)
 
-    def process_group(r: dict, attrs: dict) -> tuple[DistEnv, dist.ProcessGroup]:
-        env = init_process_group(device, backend)
+    def process_group_init(self, attrs: dict[str, Any]) -> None:
+        self.env = init_process_group(self.device, self.backend)
         # Checkpoint collectives run on their own CPU group: DCP's background thread must
         # never interleave with the training thread's collectives (and NCCL cannot do async
-        # save at all).
-        return env, dist.new_group(backend="gloo")
+        # save at all). The training thread's own CPU agreement (preemption, in-process
+        # restart) has a second one.
+        self.checkpoint_group = dist.new_group(backend="gloo")
+        self.control_group = dist.new_group(backend="gloo")
 
-    def preproc(r: dict, attrs: dict) -> TrainLoader:
-        env = r["process_group_init"][0]
-        return TrainLoader(config.data, env.rank, env.world_size, seed=config.train.seed)
+    def preproc_creation(self, attrs: dict[str, Any]) -> None:
+        cfg = self.config
+        self.loader = TrainLoader(cfg.data, self.env.rank, self.env.world_size, seed=cfg.train.seed)
 
-    def train_module(r: dict, attrs: dict) -> tuple[torch.nn.Module, Any]:
-        model, optimizer = build_train_module(config, r["process_group_init"][0])
-        if state.enabled:
-            target = compiled.dense_module(model)
+    def train_module_creation(self, attrs: dict[str, Any]) -> None:
+        self.model, self.optimizer = build_train_module(self.config, self.env)
+        if self.compile_state.enabled:
+            target = compiled.dense_module(self.model)
+            copy = self._warm_copy
             if copy is not None and not compiled.same_structure(copy, target):
                 log.warning(
-                    "the warm-up copy differs from the model's interaction: the "
-                    "first step will compile"
+                    "the warm-up copy differs from the model's interaction: the first step "
+                    "will compile"
                 )
             compiled.compile_in_place(target)
-        return model, optimizer
 
-    def plugins(r: dict, attrs: dict) -> tuple[list[Batch], FaultInjector, Checkpointer]:
-        env, ckpt_group = r["process_group_init"]
-        holdout = holdout_batches(
-            config.data,
+    def init_plugins(self, attrs: dict[str, Any]) -> None:
+        cfg, env = self.config, self.env
+        self.holdout = holdout_batches(
+            cfg.data, env.rank, env.world_size, cfg.train.eval_rows, cfg.data.eval_batch_size
+        )
+        self.faults = FaultInjector(cfg.faults, self.ledger.attempt, env.rank)
+        self.checkpointer = Checkpointer(
+            cfg,
             env.rank,
             env.world_size,
-            config.train.eval_rows,
-            config.data.eval_batch_size,
+            self.ledger,
+            self.checkpoint_group,
+            self.faults.at_checkpoint_phase,
         )
-        faults = FaultInjector(config.faults, ledger.attempt, env.rank)
-        checkpointer = Checkpointer(
-            config, env.rank, env.world_size, ledger, ckpt_group, faults.at_checkpoint_phase
-        )
-        return holdout, faults, checkpointer
 
-    def restore_stage(r: dict, attrs: dict) -> Resume:
-        env, ckpt_group = r["process_group_init"]
-        model, optimizer = r["train_module_creation"]
-        resume = restore_model(config, env, model, optimizer, ledger, ckpt_group)
-        attrs["resumed_from_step"] = resume.step
-        return resume
-
-    def cache_load(r: dict, attrs: dict) -> compile_cache.CacheResult | None:
-        _prepare_compile(config, ledger, state, parts)
+    def compile_cache_load(self, attrs: dict[str, Any]) -> None:
+        state = self.compile_state
+        local_dir, created = compile_cache.setup_local_dir()
+        if created:
+            atexit.register(compile_cache.remove_local_dir, local_dir)  # after the save thread
+        if self.config.train.compile_cache:
+            root = compile_cache.cache_root(self.config)
+            state.cache = compile_cache.CompileCache(root, self._key_parts, local_dir)
+        state.watcher = compiled.RecompileWatcher(self.ledger).install()
         if state.cache is None:
             attrs["cache_status"] = "off"
-            return None
+            return
         state.load = state.cache.load()
         attrs.update(state.load.attrs("cache"), cache_key=state.cache.key)
-        return state.load
 
-    def warm_up(r: dict, attrs: dict) -> None:
-        with ledger.span("compile", what="warmup") as span:
+    def compile(self, attrs: dict[str, Any]) -> None:
+        state = self.compile_state
+        with self.ledger.span(Span.COMPILE, what="warmup") as span:
             try:
                 compiled.configure(state.job_id)  # for this thread, which compiles
-                state.warmup = compiled.warm_up(config, device, copy)
+                state.warmup = compiled.warm_up(self.config, self.device, self._warm_copy)
                 span.update(state.warmup)
             except Exception as exc:  # the job trains eagerly rather than not at all
                 state.error = f"{type(exc).__name__}: {exc}"
@@ -187,105 +298,72 @@ def initialize(config: JobConfig, ledger: Ledger) -> Components:
                 span["error"] = state.error[:500]
         attrs.update(state.warmup)
 
-    def first_batch(r: dict, attrs: dict) -> tuple[Resume | None, Iterator[Batch], Batch | None]:
-        env = r["process_group_init"][0]
-        loader: TrainLoader = r["preproc_creation"]
+    def promotion(self, attrs: dict[str, Any]) -> None:
+        """A standby parks here until the orchestrator promotes it (no span: a parked
+        standby's time is not the job's)."""
+        if not self.standby or self.control is None:
+            return
+        self.ledger.mark(Mark.STANDBY_READY)
+        if self.env.is_main:
+            self.control.report(Phase.PARKED)
+        log.info("standby attempt %d ready: parked until promoted", self.ledger.attempt)
+        msg = self.control.wait(Command.PROMOTE)
+        if msg is None:
+            raise StandbyReleased(f"standby attempt {self.ledger.attempt} was never promoted")
+        self.promoted_with = msg
+        self.ledger.mark(Mark.PROMOTED, **{k: v for k, v in msg.items() if k != "cmd"})
+        if self.env.is_main:
+            self.control.report(Phase.INIT)
+            log.info("standby attempt %d promoted", self.ledger.attempt)
+
+    def restore(self, attrs: dict[str, Any]) -> None:
+        self.resume = restore_model(
+            self.config, self.env, self.model, self.optimizer, self.ledger, self.checkpoint_group
+        )
+        attrs["resumed_from_step"] = self.resume.step
+
+    def get_first_batch_data(self, attrs: dict[str, Any]) -> None:
         # Serial: restore already ran. Parallel: peek at the checkpoint it will pick.
-        guess = r["restore"] if "restore" in r else peek_resume(config, env)
+        guess = getattr(self, "resume", None) or peek_resume(self.config, self.env)
         if guess is not None and guess.loader is not None:
-            loader.load_state_dict(guess.loader)
-        batches = iter(loader)
+            self.loader.load_state_dict(guess.loader)
+        self.guess = guess
+        self.batches = iter(self.loader)
         step = guess.step if guess is not None else 0
-        return guess, batches, next(batches) if step < config.train.steps else None
+        self.pending = next(self.batches) if step < self.config.train.steps else None
 
-    # In serial order; "pre_train" stages carry their key as the span's "stage" attr.
-    fns = {
-        "process_group_init": process_group,
-        "preproc_creation": preproc,
-        "train_module_creation": train_module,
-        "init_plugins": plugins,
-        "restore": restore_stage,
-        "compile_cache_load": cache_load,
-        "compile": warm_up,
-        "get_first_batch_data": first_batch,
-    }
-    keys = list(fns) if state.enabled else [k for k in fns if not k.startswith("compile")]
-    stages = []
-    for key in keys:
-        deps = tuple(d for d in STAGE_DEPS[key] if d in keys)
-        if key == "get_first_batch_data" and not parallel:
-            deps += ("restore",)  # serial: the position comes from restore, no peek
-        span = key if key in INIT_SPANS else "pre_train"
-        attrs = {} if key in INIT_SPANS else {"stage": key}
-        stages.append(Stage(key, span, fns[key], deps, attrs))
-    results: dict[str, Any] = {}
-    try:
-        run_stages(stages, ledger, parallel, device, results)
-    except BaseException:
-        if "preproc_creation" in results:  # its prefetch thread may be reading ahead
-            results["preproc_creation"].close()
-        raise
-
-    env, _ = results["process_group_init"]
-    loader = results["preproc_creation"]
-    model, optimizer = results["train_module_creation"]
-    holdout, faults, checkpointer = results["init_plugins"]
-    resume: Resume = results["restore"]
-    guess, batches, pending = results["get_first_batch_data"]
-    if guess is None or (guess.step, guess.loader) != (resume.step, resume.loader):
-        # The peek was wrong (restore fell back to an older checkpoint, or could not peek):
-        # re-position the loader and fetch the first batch again.
-        if pending is not None:
-            loader.stats["rows"] -= len(pending)
-            loader.stats["batches"] -= 1
+    # -- after the graph ---------------------------------------------------------------------
+    def _settle_first_batch(self) -> None:
+        """The peek was wrong (restore fell back to an older checkpoint, or could not peek):
+        re-position the loader and fetch the first batch again."""
+        guess, resume = self.guess, self.resume
+        if guess is not None and (guess.step, guess.loader) == (resume.step, resume.loader):
+            return
+        if self.pending is not None:
+            self.loader.stats["rows"] -= len(self.pending)
+            self.loader.stats["batches"] -= 1
         log.info("first batch re-fetched: restore resumed at step %d", resume.step)
-        loader.load_state_dict(resume.loader or INITIAL_POSITION)
-        batches = iter(loader)
-        pending = next(batches) if resume.step < config.train.steps else None
-    if state.enabled:
-        _finish_compile(state, model, env)
-    return Components(
-        env=env,
-        loader=loader,
-        batches=batches,
-        first_batch=pending,
-        model=model,
-        optimizer=optimizer,
-        holdout=holdout,
-        faults=faults,
-        checkpointer=checkpointer,
-        start_step=resume.step,
-        compile=state,
-    )
+        self.loader.load_state_dict(resume.loader or INITIAL_POSITION)
+        self.batches = iter(self.loader)
+        self.pending = next(self.batches) if resume.step < self.config.train.steps else None
+
+    def _finish_compile(self) -> None:
+        """Eager fallback if the warm-up failed; recompiles now count as training's; rank 0
+        saves the compile cache in the background when it lacked something compiled here."""
+        state = self.compile_state
+        if state.error is not None:
+            compiled.uncompile(compiled.dense_module(self.model))
+            return
+        if state.watcher is not None:
+            state.watcher.phase = "train"
+        compiled_new = state.warmup.get("aot_cache_miss", 0) + state.warmup.get("fx_cache_miss", 0)
+        hit = state.load is not None and state.load.status == "hit"
+        if state.cache is not None and self.env.is_main and (not hit or compiled_new):
+            state.cache.save_async()
 
 
-def _prepare_compile(
-    config: JobConfig, ledger: Ledger, state: CompileState, parts: dict[str, Any]
-) -> None:
-    """Local inductor cache dir, the shared cache and recompile marks: before any compile
-    (only the warm-up compiles during init, and it waits for this)."""
-    local_dir, created = compile_cache.setup_local_dir()
-    if created:
-        atexit.register(compile_cache.remove_local_dir, local_dir)  # after the save thread
-    if config.train.compile_cache:
-        root = compile_cache.cache_root(config)
-        state.cache = compile_cache.CompileCache(root, parts, local_dir)
-    state.watcher = compiled.RecompileWatcher(ledger).install()
-
-
-def _finish_compile(state: CompileState, model: torch.nn.Module, env: DistEnv) -> None:
-    """After init: eager fallback if the warm-up failed, recompiles now count as training's,
-    and (rank 0, when the cache missed or lacked a graph) the compile cache is saved in the
-    background while the first steps run."""
-    if state.error is not None:
-        compiled.uncompile(compiled.dense_module(model))
-        return
-    if state.watcher is not None:
-        state.watcher.phase = "train"
-    compiled_new = state.warmup.get("aot_cache_miss", 0) + state.warmup.get("fx_cache_miss", 0)
-    hit = state.load is not None and state.load.status == "hit"
-    if state.cache is not None and env.is_main and (not hit or compiled_new):
-        state.cache.save_async()  # the cache lacked something this process compiled
+class StandbyReleased(RuntimeError):
+    """The orchestrator went away (or finished the job) before promoting this standby."""
 
 
 # -- restore ---------------------------------------------------------------------------------
@@ -314,10 +392,11 @@ def restore_model(
     optimizer: Any,
     ledger: Ledger,
     group: dist.ProcessGroup,
+    in_process: bool = False,
 ) -> Resume:
     """Load the newest usable checkpoint into model, optimizer and RNG; returns where the
     loop and the data loader continue (the loader itself is left alone)."""
-    if env.is_main:
+    if env.is_main and not in_process:
         purge_uncommitted(config.job_url)
     dist.barrier(group=group)
     optimizer.init_state()  # materialise lazy optimizer state so it can be loaded in place
@@ -331,23 +410,7 @@ def restore_model(
         return Resume()
     apply_loaded(model, optimizer, state, env.rank)
     step = int(restored.extra["step"])
-    ledger.mark("resume", step=step, url=restored.checkpoint.url)
+    ledger.mark(Mark.RESUME, step=step, url=restored.checkpoint.url, in_process=in_process)
     if env.is_main:
         log.info("resumed from %s at step %d", restored.checkpoint.url, step)
     return Resume(step, restored.extra["loader"], restored.checkpoint.url)
-
-
-def restore_state(
-    config: JobConfig,
-    env: DistEnv,
-    model: torch.nn.Module,
-    optimizer: Any,
-    loader: TrainLoader,
-    ledger: Ledger,
-    group: dist.ProcessGroup,
-) -> int:
-    """Resume from the newest usable checkpoint; returns the step to continue after."""
-    resume = restore_model(config, env, model, optimizer, ledger, group)
-    if resume.loader is not None:
-        loader.load_state_dict(resume.loader)
-    return resume.step

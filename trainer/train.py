@@ -1,8 +1,14 @@
 """The training driver: init stages, the loop, evaluation and shutdown, each a ledger span.
 
-Runs under torchrun (any number of processes) or alone, and never imports Prefect: the
-orchestrator launches it as ``python -m trainer --config FILE`` and reads its exit code
-(infra/exit_codes.py) and its ledger.
+Runs under torchrun (``python -m trainer.launch``, any number of processes) or alone, and
+never imports Prefect: the orchestrator reads its exit code (infra/exit_codes.py), its ledger
+and the progress it reports on its control channel (infra/control.py).
+
+The loop, step by step: agree on a preemption (SIGTERM) without stopping the ranks, let the
+previous checkpoint's staging copy finish before the weights change, run the step (an
+exception in it is recovered in process, trainer/restart.py), report progress, evaluate
+(in the loop, or by the side evaluator from the checkpoint forced at eval steps), and
+checkpoint when the interval policy says so (trainer/checkpoint/interval.py).
 """
 
 from __future__ import annotations
@@ -14,7 +20,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,27 +27,44 @@ import torch
 import torch.distributed as dist
 
 from infra import storage
+from infra.control import Phase, RankControl
 from infra.exit_codes import ExitCode
-from infra.ledger import Ledger, ledger_url
-from infra.settings import CheckpointMode, ConfigError, JobConfig, load_config
+from infra.ledger import Ledger, Mark, Span, next_attempt
+from infra.processes import die_with_parent
+from infra.settings import CheckpointMode, ConfigError, EvalMode, JobConfig, load_config
 from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.interval import FailureHistory, IntervalPolicy
 from trainer.checkpoint.manifest import CheckpointError
 from trainer.checkpoint.state import app_state
 from trainer.data.batch import Batch
+from trainer.data.loader import DataError
 from trainer.distributed import DistEnv
 from trainer.evaluation import evaluate
-from trainer.init_stages import initialize
+from trainer.init_stages import Components, Initializer, StandbyReleased
 from trainer.model import batch_to_kjts
+from trainer.restart import InProcessRestart
 
 log = logging.getLogger("trainer")
+
+ENV_ATTEMPT = "ETT_ATTEMPT"
+ENV_FAILURES = "ETT_JOB_FAILURES"  # failures the job had before this attempt started
+ENV_JOB_STARTED = "ETT_JOB_STARTED_AT"  # Unix time of the job's first attempt
 
 
 @dataclass
 class Preemption:
-    """SIGTERM sets the flag; the loop acts on it at the next step boundary."""
+    """SIGTERM sets the flag; every rank stops at the same step boundary.
+
+    The ranks agree without a barrier on the hot path: each step posts a non-blocking
+    all-reduce of the local flag on a CPU group and reads the previous step's result, which
+    has long arrived, so the host never waits for the slowest rank here. A SIGTERM is acted
+    on one step after it lands, on every rank at the same step.
+    """
 
     requested: bool = False
     at: float | None = None
+    _work: Any = None
+    _flag: torch.Tensor | None = None
 
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._handle)
@@ -50,13 +72,17 @@ class Preemption:
     def _handle(self, signum: int, frame: Any) -> None:
         self.requested, self.at = True, time.time()
 
-    def agreed(self, env: DistEnv) -> bool:
-        """True on every rank once any rank was told to stop, so all stop at the same step."""
+    def agreed(self, env: DistEnv, group: dist.ProcessGroup) -> bool:
+        """True on every rank once any rank was told to stop (same step everywhere)."""
         if env.world_size == 1:
             return self.requested
-        flag = torch.tensor([int(self.requested)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        if self._work is not None:
+            self._work.wait()
+            if self._flag is not None and bool(self._flag.item()):
+                return True
+        self._flag = torch.tensor([int(self.requested)])
+        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        return False
 
 
 @dataclass
@@ -83,13 +109,19 @@ class LoopStats:
         return out
 
 
-def next_attempt(job_url: str, rank: int) -> int:
+def attempt_number(job_url: str, rank: int) -> int:
     """The attempt number: ETT_ATTEMPT from the orchestrator, else one past this rank's
     previous trainer ledgers (each rank counts its own files, so all ranks agree)."""
-    if "ETT_ATTEMPT" in os.environ:
-        return int(os.environ["ETT_ATTEMPT"])
-    pattern = storage.join(ledger_url(job_url), f"trainer-attempt*-rank{rank:03d}.jsonl")
-    return len(storage.glob(pattern))
+    if ENV_ATTEMPT in os.environ:
+        return int(os.environ[ENV_ATTEMPT])
+    return next_attempt(job_url, role="trainer", rank=rank)
+
+
+def failure_history(promotion: dict[str, Any]) -> FailureHistory:
+    """The job's failures so far: from the promotion message, else the launch environment."""
+    failures = promotion.get("failures", os.environ.get(ENV_FAILURES, 0))
+    started = promotion.get("job_started_at", os.environ.get(ENV_JOB_STARTED))
+    return FailureHistory(int(failures), float(started) if started is not None else None)
 
 
 def train_step(model: torch.nn.Module, optimizer: Any, batch: Batch, device: torch.device) -> float:
@@ -104,66 +136,87 @@ def train_step(model: torch.nn.Module, optimizer: Any, batch: Batch, device: tor
     return float(loss.detach())
 
 
-def run(config: JobConfig) -> int:
+def run(config: JobConfig, control: RankControl | None = None) -> int:
     """Train one attempt of the job; returns the process exit code."""
     storage.configure(config.storage)
     rank = int(os.environ.get("RANK", "0"))
-    attempt = next_attempt(config.job_url, rank)
+    attempt = attempt_number(config.job_url, rank)
     ledger = Ledger(config.job_url, attempt=attempt, rank=rank)
-    ledger.mark("attempt_start", pid=os.getpid())
+    ledger.mark(Mark.ATTEMPT_START, pid=os.getpid(), standby=bool(control and control.standby))
     preemption = Preemption()
     preemption.install()
+    if control is not None:  # the orchestrator died: stop as if preempted (checkpoint, exit)
+        control.start(on_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))
+        if rank == 0:
+            control.report(Phase.INIT)
     try:
-        return _train(config, ledger, preemption)
+        return _train(config, ledger, preemption, control)
+    except StandbyReleased as exc:
+        log.info("%s", exc)
+        return ExitCode.SUCCESS
     except CheckpointError as exc:  # corrupt or incompatible: relaunching cannot help
         log.error("cannot resume: %s", exc)
         return ExitCode.CHECKPOINT_INCOMPATIBLE
+    except DataError as exc:
+        log.error("bad training data: %s", exc)
+        return ExitCode.BAD_DATA
     finally:
         ledger.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def should_checkpoint(config: JobConfig, step: int, last_save: float, now: float) -> bool:
-    """Interval in steps, in seconds, or both (whichever comes first)."""
-    ckpt = config.checkpoint
-    if (
-        ckpt.mode == CheckpointMode.OFF or step >= config.train.steps
-    ):  # the last step gets the anchor
-        return False
-    by_steps = ckpt.every_steps is not None and step % ckpt.every_steps == 0
-    by_time = ckpt.every_seconds is not None and now - last_save >= ckpt.every_seconds
-    return by_steps or by_time
-
-
-def _train(config: JobConfig, ledger: Ledger, preemption: Preemption) -> int:
-    parts = initialize(config, ledger)
+def _train(
+    config: JobConfig, ledger: Ledger, preemption: Preemption, control: RankControl | None
+) -> int:
+    parts = Initializer(config, ledger, control).run()
     env, model, optimizer, loader = parts.env, parts.model, parts.optimizer, parts.loader
-    checkpointer, holdout, faults = parts.checkpointer, parts.holdout, parts.faults
+    checkpointer, faults = parts.checkpointer, parts.faults
     batches, pending = parts.batches, parts.first_batch
-    start_step = parts.start_step
+    report = control.report if control is not None and env.is_main else None
+    policy = IntervalPolicy(
+        config.checkpoint, config.train.steps, ledger, failure_history(parts.promotion)
+    )
+    restarter = InProcessRestart(config, env, ledger)
+    eval_mode = config.train.eval
 
     def snapshot() -> tuple[dict[str, Any], dict[str, Any]]:
         """What a checkpoint holds: tensors for DCP, and this rank's data position."""
         return app_state(model, optimizer, env.rank), {"loader": loader.state_dict()}
 
+    def save(step: int) -> None:
+        t0 = time.perf_counter()
+        checkpointer.save(step, snapshot)
+        policy.saved(time.perf_counter() - t0)
+
     stats = LoopStats()
-    step = start_step
-    last_save = time.time()
+    step = parts.start_step
     try:
         while step < config.train.steps:
-            if preemption.agreed(env):
-                _save_on_preemption(config, checkpointer, step, snapshot)
-                return ExitCode.PREEMPTED
-            checkpointer.wait_until_staged()
+            if preemption.agreed(env, parts.control_group):
+                return _save_on_preemption(config, checkpointer, step, snapshot)
+            t0 = time.perf_counter()
+            if checkpointer.wait_until_staged():
+                policy.staged(time.perf_counter() - t0)
             step += 1
-            faults.at_step(step)
-            with ledger.span("train_step", step=step) as attrs:
-                batch = pending if pending is not None else next(batches)
-                pending = None
-                loss = train_step(model, optimizer, batch, env.device)
-                attrs["loss"] = round(loss, 6)
+            try:
+                faults.at_step(step)
+                with ledger.span(Span.TRAIN_STEP, step=step) as attrs:
+                    t0 = time.perf_counter()
+                    batch = pending if pending is not None else next(batches)
+                    pending = None
+                    loss = train_step(model, optimizer, batch, env.device)
+                    attrs["loss"] = round(loss, 6)
+            except (DataError, StandbyReleased):
+                raise
+            except Exception as exc:  # noqa: BLE001 - recovered in place, or re-raised
+                resume = restarter.recover(exc, step, model, optimizer, loader, checkpointer)
+                step, batches, pending = resume.step, iter(loader), None
+                continue
+            policy.step_done(time.perf_counter() - t0, checkpointer.commit_running)
             stats.add(loss, len(batch))
+            if report is not None:
+                report(Phase.TRAINING, step, config.train.steps)
             if step % config.train.log_every == 0 and env.is_main:
                 mean_loss, rate = stats.take()
                 log.info(
@@ -173,64 +226,92 @@ def _train(config: JobConfig, ledger: Ledger, preemption: Preemption) -> int:
                     mean_loss,
                     rate * env.world_size,
                 )
-            if config.train.eval_every and step % config.train.eval_every == 0:
-                with ledger.span("eval", step=step) as attrs:
-                    stats.last_eval = evaluate(model, holdout, env.device)
-                    attrs.update(stats.last_eval)
-                if env.is_main:
-                    log.info("step %d holdout %s", step, _fmt(stats.last_eval))
-            if should_checkpoint(config, step, last_save, time.time()):
-                checkpointer.save(step, snapshot)
-                last_save = time.time()
-
-        with ledger.span("shutdown", step=step):
-            if not stats.last_eval or config.train.steps % max(config.train.eval_every, 1):
-                stats.last_eval = evaluate(model, holdout, env.device)
-            if (
-                config.checkpoint.mode != CheckpointMode.OFF and step > start_step
-            ):  # else: anchored already
-                checkpointer.save(step, snapshot, anchor=True)
-            checkpointer.close()
-            anchor_failed = step in checkpointer.failed_steps
-            if env.is_main:
-                log.info("final holdout %s (loader %s)", _fmt(stats.last_eval), loader.stats)
-                summary = {"step": step, **stats.last_eval, **loader.stats}
-                metrics_url = storage.join(config.job_url, "final_metrics.json")
-                try:
-                    storage.write_text(metrics_url, json.dumps(summary, indent=2))
-                except OSError as exc:  # a summary: never worth failing the job over
-                    log.error("could not write %s: %s", metrics_url, exc)
-            dist.barrier()
+            every = config.train.eval_every
+            eval_step = eval_mode != EvalMode.OFF and every > 0 and step % every == 0
+            if eval_step and eval_mode == EvalMode.INLINE:
+                _evaluate(parts, ledger, stats, step)
+            # Async eval: the side evaluator reads the checkpoint of every eval step.
+            due = policy.due(step) or (eval_step and eval_mode == EvalMode.ASYNC)
+            if due and step < config.train.steps and config.checkpoint.mode != CheckpointMode.OFF:
+                save(step)
+        return _shutdown(config, parts, ledger, stats, step, snapshot, eval_mode)
     finally:
         checkpointer.close()
+        if report is not None:
+            report(Phase.DONE, step, config.train.steps)
+
+
+def _evaluate(parts: Components, ledger: Ledger, stats: LoopStats, step: int) -> None:
+    with ledger.span(Span.EVAL, step=step) as attrs:
+        stats.last_eval = evaluate(parts.model, parts.holdout, parts.env.device)
+        attrs.update(stats.last_eval)
+    if parts.env.is_main:
+        log.info("step %d holdout %s", step, _fmt(stats.last_eval))
+
+
+def _shutdown(
+    config: JobConfig,
+    parts: Components,
+    ledger: Ledger,
+    stats: LoopStats,
+    step: int,
+    snapshot: Any,
+    eval_mode: EvalMode,
+) -> int:
+    """The anchor checkpoint (and, in the loop's eval mode, the final evaluation)."""
+    env, checkpointer = parts.env, parts.checkpointer
+    with ledger.span(Span.SHUTDOWN, step=step):
+        just_evaluated = stats.last_eval and step % max(config.train.eval_every, 1) == 0
+        if eval_mode == EvalMode.INLINE and not just_evaluated:
+            stats.last_eval = evaluate(parts.model, parts.holdout, env.device)
+        # Else the anchor was saved already.
+        if config.checkpoint.mode != CheckpointMode.OFF and step > parts.start_step:
+            checkpointer.save(step, snapshot, anchor=True)
+        checkpointer.close()
+        anchor_failed = step in checkpointer.failed_steps
+        if env.is_main:
+            log.info("final loader %s", parts.loader.stats)
+            if stats.last_eval:
+                log.info("final holdout %s", _fmt(stats.last_eval))
+                _write_final_metrics(config, step, stats.last_eval, parts.loader.stats)
+        dist.barrier(group=parts.control_group)
     if anchor_failed:  # the model of this job is not saved: let the orchestrator retry
         log.error(
-            "the anchor checkpoint at step %d did not commit; exiting %d so the attempt "
-            "is retried from the newest committed checkpoint",
+            "the anchor checkpoint at step %d did not commit; exiting %d so the attempt is "
+            "retried from the newest committed checkpoint",
             step,
             ExitCode.ANCHOR_NOT_SAVED,
         )
         return ExitCode.ANCHOR_NOT_SAVED
-    ledger.mark("job_end", step=step)
+    ledger.mark(Mark.JOB_END, step=step)
     return ExitCode.SUCCESS
 
 
-def _save_on_preemption(
-    config: JobConfig,
-    checkpointer: Checkpointer,
-    step: int,
-    snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
+def _write_final_metrics(
+    config: JobConfig, step: int, metrics: dict[str, float], loader_stats: dict[str, int]
 ) -> None:
+    summary = {"step": step, **metrics, **loader_stats}
+    url = storage.join(config.job_url, "final_metrics.json")
+    try:
+        storage.write_text(url, json.dumps(summary, indent=2))
+    except OSError as exc:  # a summary: never worth failing the job over
+        log.error("could not write %s: %s", url, exc)
+
+
+def _save_on_preemption(
+    config: JobConfig, checkpointer: Checkpointer, step: int, snapshot: Any
+) -> int:
     """Preempted: finish the in-flight upload if the budget allows, then save synchronously."""
     budget = config.checkpoint.preemption_budget_s
     log.warning("preempted: saving at step %d within %.0f s", step, budget)
     if config.checkpoint.mode == CheckpointMode.OFF:
-        return
+        return ExitCode.PREEMPTED
     try:
         checkpointer.wait_for_inflight(timeout_s=budget / 2)
     except TimeoutError:
         checkpointer.abandon_inflight()
     checkpointer.save(step, snapshot, blocking=True)
+    return ExitCode.PREEMPTED
 
 
 def _fmt(metrics: dict[str, float]) -> str:
@@ -238,10 +319,21 @@ def _fmt(metrics: dict[str, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """A rank's process: never outlives its launcher, tells the orchestrator its exit code."""
+    die_with_parent()
+    control = RankControl.from_env(int(os.environ.get("LOCAL_RANK", "0")))
+    code: int = ExitCode.CRASH
+    try:
+        code = _main(argv, control)
+        return code
+    finally:
+        if control is not None:
+            control.record_exit(code)
+
+
+def _main(argv: list[str] | None, control: RankControl | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
-    parser.add_argument(
-        "--config", help="job config file (YAML/TOML); embedded defaults if omitted"
-    )
+    parser.add_argument("--config", help="job config (YAML/TOML); embedded defaults if omitted")
     args = parser.parse_args(argv)
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(
@@ -255,4 +347,4 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return ExitCode.USAGE
-    return run(config)
+    return run(config, control)

@@ -1,13 +1,13 @@
 """The ``train`` flow on Prefect's test harness (a temporary API), with the fake trainer:
 attempts as tasks, the anchor event (captured), the artifacts, MLflow and the failure path.
 
-Only the command is swapped (the fake trainer instead of torchrun + trainer); the launcher,
+Only the launcher is swapped (the fake trainer instead of torchrun + trainer); the launcher,
 the ledger, the ETT report and MLflow tracking (SQLite) are real.
 """
 
 from __future__ import annotations
 
-import sys
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,11 +22,12 @@ from prefect.testing.utilities import prefect_test_harness
 import flows.train_flow as train_module
 from flows.report_flow import ett_report_flow
 from infra.settings import dump_config
+from tasks.attempts import LaunchSpec
 from tasks.events import ANCHOR_EVENT
 from tasks.report import artifact_key
 from tests.factories import tiny_config
 
-FAKE = str(Path(__file__).with_name("fake_trainer.py"))
+FAKE = str(Path(__file__).resolve().parents[1] / "fake_trainer.py")
 pytestmark = pytest.mark.slow  # the test harness alone takes ~10-70 s to start here
 
 
@@ -46,11 +47,8 @@ def events(monkeypatch: pytest.MonkeyPatch) -> Iterator[EventsWorker]:
 
 @pytest.fixture
 def fake_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(
-        train_module,
-        "torchrun_command",
-        lambda path, nproc=1: [sys.executable, FAKE, "--config", path],
-    )
+    fake = functools.partial(LaunchSpec, launcher=(FAKE,))
+    monkeypatch.setattr(train_module, "LaunchSpec", fake)
 
 
 def _anchor_events(worker: EventsWorker) -> list:

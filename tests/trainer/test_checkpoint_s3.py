@@ -32,7 +32,7 @@ from infra import storage
 from infra.exit_codes import ExitCode
 from infra.ledger import read_events
 from infra.settings import JobConfig, dump_config
-from tests.factories import ROOT, run_trainer, tiny_config, write_dataset
+from tests.factories import ROOT, run_trainer, tiny_config, trainer_command, write_dataset
 from tests.tcp_proxy import TcpProxy
 from trainer.checkpoint.manifest import (
     MANIFEST,
@@ -136,14 +136,12 @@ class Attempt:
     """One trainer attempt under torchrun whose output is read line by line as it runs."""
 
     def __init__(self, config: JobConfig, tmp_path: Path, env: dict[str, str]) -> None:
-        from tasks.launch import torchrun_command
-
         path = tmp_path / f"{config.job_id}.yaml"
         dump_config(config, path)
         self.lines: list[str] = []
         self._new_line = threading.Condition()
         self.proc = subprocess.Popen(
-            torchrun_command(str(path), nproc=1),
+            trainer_command(path, nproc=1),
             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

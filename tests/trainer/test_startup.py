@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from infra.ett import compute_report
-from infra.ledger import Ledger, read_events
+from infra.ledger import Ledger, Span, read_events
 from tests.factories import tiny_config
 from trainer import compiled
 from trainer.data.batch import Batch
@@ -25,87 +25,96 @@ INDUCTOR_DIR = Path(tempfile.gettempdir()) / "ett-tests-inductor"
 
 
 def sleeper(seconds: float, log: list[str]):
-    def fn(results: dict, attrs: dict) -> str:
+    def fn(attrs: dict) -> None:
         log.append(f"start {threading.current_thread().name}")
         time.sleep(seconds)
         attrs["slept"] = seconds
-        return f"{seconds}"
 
     return fn
 
 
 def graph(log: list[str]) -> list[Stage]:
     return [
-        Stage("process_group_init", "process_group_init", sleeper(0.05, log)),
-        Stage("preproc_creation", "preproc_creation", sleeper(0.3, log), ("process_group_init",)),
+        Stage("process_group_init", Span.PROCESS_GROUP_INIT, sleeper(0.05, log)),
+        Stage(
+            "preproc_creation", Span.PREPROC_CREATION, sleeper(0.3, log), ("process_group_init",)
+        ),
         Stage(
             "train_module_creation",
-            "train_module_creation",
+            Span.TRAIN_MODULE_CREATION,
             sleeper(0.3, log),
             ("process_group_init",),
         ),
         Stage(
             "restore",
-            "pre_train",
+            Span.PRE_TRAIN,
             sleeper(0.1, log),
             ("train_module_creation",),
             {"stage": "restore"},
         ),
-        Stage("compile", "pre_train", sleeper(0.4, log), (), {"stage": "compile"}),
+        Stage("compile", Span.PRE_TRAIN, sleeper(0.4, log), (), {"stage": "compile"}),
         Stage(
-            "get_first_batch_data", "get_first_batch_data", sleeper(0.1, log), ("preproc_creation",)
+            "get_first_batch_data",
+            Span.GET_FIRST_BATCH_DATA,
+            sleeper(0.1, log),
+            ("preproc_creation",),
         ),
     ]
+
+
+def overlap(a, b) -> bool:
+    return a.start < b.end and b.start < a.end
 
 
 @pytest.mark.parametrize("parallel", [True, False])
 def test_stage_graph_overlaps_independent_stages(tmp_path, parallel):
     ledger = Ledger(f"file://{tmp_path}/job")
-    t0 = time.perf_counter()
-    results = run_stages(graph([]), ledger, parallel=parallel)
-    wall = time.perf_counter() - t0
+    done = run_stages(graph([]), ledger, parallel=parallel)
     ledger.close()
-    assert set(results) == {s.key for s in graph([])}
+    assert done == {s.key for s in graph([])}
     events = {e.attrs.get("stage", e.name): e for e in read_events(f"file://{tmp_path}/job")}
     assert len(events) == 6
     for s in graph([]):  # every stage started after its dependencies ended
         for dep in s.deps:
             assert events[s.key].start >= events[dep].end
-    if parallel:  # longest chain: 0.05 + 0.3 + 0.1 = 0.45 (and 0.4 for compile alone)
-        assert wall < 0.9
-        assert events["compile"].start < events["process_group_init"].end
-    else:
-        assert wall >= 1.25
+    if parallel:  # independent stages ran at the same time
+        assert overlap(events["compile"], events["process_group_init"])
+        assert overlap(events["preproc_creation"], events["train_module_creation"])
+    else:  # one after another, in list order
         order = sorted(events.values(), key=lambda e: e.start)
         assert [e.attrs.get("stage", e.name) for e in order] == [s.key for s in graph([])]
+        assert all(a.end <= b.start for a, b in zip(order, order[1:], strict=False))
 
 
 def test_stage_error_stops_the_graph_after_running_stages_finish(tmp_path):
-    def boom(results: dict, attrs: dict) -> None:
+    def boom(attrs: dict) -> None:
         time.sleep(0.05)
         raise ValueError("loader failed")
 
     log: list[str] = []
     stages = [
-        Stage("compile", "pre_train", sleeper(0.5, log), (), {"stage": "compile"}),
-        Stage("preproc_creation", "preproc_creation", boom),
+        Stage("compile", Span.PRE_TRAIN, sleeper(0.5, log), (), {"stage": "compile"}),
+        Stage("preproc_creation", Span.PREPROC_CREATION, boom),
         Stage(
-            "get_first_batch_data", "get_first_batch_data", sleeper(0.1, log), ("preproc_creation",)
+            "get_first_batch_data",
+            Span.GET_FIRST_BATCH_DATA,
+            sleeper(0.1, log),
+            ("preproc_creation",),
         ),
     ]
-    t0 = time.perf_counter()
     with pytest.raises(ValueError, match="loader failed"):
         run_stages(stages, Ledger(f"file://{tmp_path}/job"), parallel=True)
-    assert time.perf_counter() - t0 >= 0.5  # the running compile stage was waited for
+    names = [e.attrs.get("stage", e.name) for e in read_events(f"file://{tmp_path}/job")]
+    assert "compile" in names  # the running compile stage was waited for: its span is written
     assert log == ["start init-compile"]  # nothing started after the failure
 
 
 def test_stage_spans_feed_the_init_breakdown(tmp_path):
     ledger = Ledger(f"file://{tmp_path}/job")
-    with ledger.span("device_init"):
+    with ledger.span(Span.DEVICE_INIT):
         pass
     run_stages(graph([]), ledger, parallel=True)
-    with ledger.span("train_step", step=1):
+    with ledger.span(Span.TRAIN_STEP, step=1):
         pass
     ledger.close()
     report = compute_report(read_events(f"file://{tmp_path}/job"))

@@ -234,13 +234,21 @@ class Checkpointer:
         self.on_phase("staged", inflight.step)
         inflight.thread.start()
 
-    def wait_until_staged(self) -> None:
-        """Before the weights change again (next step), the staging copy must be complete."""
+    def wait_until_staged(self) -> bool:
+        """Before the weights change again (next step), the staging copy must be complete.
+        Returns whether there was a copy to wait for."""
         inflight = self._inflight
         if inflight is None or inflight.staging is None:
-            return
+            return False
         with self.ledger.span("checkpoint_blocking", step=inflight.step, phase="staging"):
             self._release_staged(inflight)
+        return True
+
+    @property
+    def commit_running(self) -> bool:
+        """A checkpoint is staging or committing in the background right now."""
+        inflight = self._inflight
+        return inflight is not None and (inflight.staging is not None or inflight.thread.is_alive())
 
     def wait_for_inflight(self, timeout_s: float | None = None) -> float:
         """Wait for the in-flight checkpoint to commit (or fail); returns seconds waited."""

@@ -1,0 +1,263 @@
+"""The attempt lifecycle (tasks/attempts.py) with real subprocesses: a fake trainer
+(tests/fake_trainer.py) that keeps the trainer's contract without torch, so the loop, the
+standby, the watch and the process-tree handling are exercised in seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from infra import processes
+from infra.ett import report_for_job
+from infra.exit_codes import ExitCode, Outcome, outcome_of
+from infra.ledger import Mark, Span, next_attempt, read_events
+from infra.settings import dump_config
+from tasks.attempts import (
+    AttemptProcess,
+    JobRunner,
+    LaunchSpec,
+    RetryPolicy,
+    Timeouts,
+)
+from tests.factories import tiny_config
+
+FAKE = str(Path(__file__).resolve().parents[1] / "fake_trainer.py")
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        (0, Outcome.SUCCESS),
+        (ExitCode.PREEMPTED, Outcome.PREEMPTED),
+        (137, Outcome.SIGKILL),  # the launcher's code for a SIGKILLed rank
+        (-9, Outcome.SIGKILL),  # the launcher itself killed
+        (1, Outcome.CRASH),
+        (-15, Outcome.CRASH),
+        (ExitCode.USAGE, Outcome.BAD_CONFIG),
+        (ExitCode.CHECKPOINT_INCOMPATIBLE, Outcome.INCOMPATIBLE),
+        (ExitCode.ANCHOR_NOT_SAVED, Outcome.CRASH),  # retried from the newest commit
+        (ExitCode.STORAGE_UNAVAILABLE, Outcome.STORAGE),
+        (ExitCode.BAD_DATA, Outcome.BAD_DATA),
+        (ExitCode.JOB_LOCKED, Outcome.JOB_LOCKED),
+    ],
+)
+def test_outcome_of_exit_code(code: int, expected: Outcome) -> None:
+    assert outcome_of(code) == expected
+
+
+def test_only_fatal_outcomes_stop_and_preemptions_are_not_failures() -> None:
+    fatal = {o for o in Outcome if o.fatal}
+    assert fatal == {Outcome.BAD_CONFIG, Outcome.BAD_DATA, Outcome.INCOMPATIBLE, Outcome.JOB_LOCKED}
+    assert not Outcome.PREEMPTED.counts_as_failure and Outcome.HANG.counts_as_failure
+
+
+def test_retry_policy_backs_off_only_a_repeating_failure() -> None:
+    p = RetryPolicy(max_failures=5, backoff_s=2.0, backoff_max_s=10.0)
+    assert p.delay_s(Outcome.CRASH, 0) == 0.0  # a first crash: at once
+    assert [p.delay_s(Outcome.CRASH, n) for n in (1, 2, 3, 4)] == [2.0, 4.0, 8.0, 10.0]
+    assert p.delay_s(Outcome.PREEMPTED, 3) == 0.0
+    assert RetryPolicy(backoff_s=0).delay_s(Outcome.SIGKILL, 2) == 0.0
+
+
+# -- the loop with a (fake) trainer ------------------------------------------------------------
+def _spec(tmp_path: Path, faults: list[dict], steps: int = 20, **env: str) -> tuple:
+    config = tiny_config(tmp_path, train={"steps": steps}, faults=faults)
+    path = tmp_path / "job.yaml"
+    dump_config(config, path)
+    return config, LaunchSpec(str(path), env=dict(env), launcher=(FAKE,))
+
+
+def _run(tmp_path: Path, faults: list[dict], policy: RetryPolicy, standby: bool = True, **kw):
+    steps = kw.pop("steps", 20)
+    env = kw.pop("env", {})
+    config, spec = _spec(tmp_path, faults, steps, **env)
+    sleeps: list[float] = []
+    runner = JobRunner(
+        config.job_url,
+        spec,
+        policy,
+        standby=standby,
+        sleep=sleeps.append,
+        scheduling=(time.time() - 3.0, time.time()),
+        **kw,
+    )
+    outcome = runner.run()
+    return config, outcome, sleeps
+
+
+def _fake_pids() -> list[int]:
+    """Live fake trainers (and their children) of this test session."""
+    out = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if FAKE.encode() in cmd and processes.pid_alive(int(proc.name)):
+            out.append(int(proc.name))
+    return out
+
+
+def test_standby_is_promoted_after_a_sigkill_and_a_preemption(tmp_path: Path) -> None:
+    faults = [
+        {"kind": "sigkill", "step": 7, "attempt": 0},
+        {"kind": "sigterm", "step": 13, "attempt": 1},
+    ]
+    config, outcome, sleeps = _run(tmp_path, faults, RetryPolicy(max_failures=1, backoff_s=3))
+
+    assert outcome.succeeded, outcome.message
+    got = [(a.outcome, a.exit_code, a.from_standby) for a in outcome.attempts]
+    assert got == [
+        (Outcome.SIGKILL, -signal.SIGKILL, False),  # the fake is its own launcher
+        (Outcome.PREEMPTED, ExitCode.PREEMPTED, True),
+        (Outcome.SUCCESS, 0, True),
+    ]
+    assert outcome.failures == 1 and outcome.preemptions == 1  # preemption is not a failure
+    assert sleeps == []  # first of their kind: promoted at once
+    assert [a.last_step for a in outcome.attempts] == [6, 13, 20]
+
+    events = read_events(config.job_url)
+    marks = [e for e in events if e.name == Mark.FAILURE]
+    assert [(e.attempt, e.attrs["cause"], e.step) for e in marks] == [
+        (0, "sigkill", 6),
+        (1, "preempted", 13),
+    ]
+    promoted = {e.attempt for e in events if e.name == Mark.PROMOTED}
+    assert promoted == {1, 2}
+    # Only the cold start has a launcher_init span; promoted standbys start at promotion.
+    assert [e.attempt for e in events if e.name == Span.LAUNCHER_INIT] == [0]
+    assert [e.attempt for e in events if e.name == Span.SCHEDULING] == [0]
+
+    report = report_for_job(config.job_url)
+    assert report.num_failures == 2 and report.finished
+    assert [f.cause for f in report.failures] == ["sigkill", "preempted"]
+    assert [s.attempt for s in report.standbys] == [1, 2]
+    for f in report.failures:  # recovery = death -> first step of the promoted standby
+        assert f.resumed_at is not None and f.resumed_at > f.died_at
+    # A standby's pre-warm ran beside attempt 0: none of it is startup of the job.
+    assert report.time_to_start_s is not None
+    assert report.buckets["startup"] <= report.time_to_start_s + 1e-9
+    assert _fake_pids() == []
+
+
+def test_same_failure_repeating_backs_off(tmp_path: Path) -> None:
+    faults = [{"kind": "crash", "step": 3, "attempt": a} for a in range(3)]
+    config, outcome, sleeps = _run(tmp_path, faults, RetryPolicy(max_failures=2, backoff_s=1))
+    assert not outcome.succeeded
+    assert [a.outcome for a in outcome.attempts] == [Outcome.CRASH] * 3
+    assert "3 failures exceed max_failures=2" in outcome.message
+    assert sleeps == [1.0]  # the first crash relaunches at once, the repeat waits
+    report = report_for_job(config.job_url)  # the failed job still has a report
+    assert report.num_failures == 3 and not report.finished
+    assert _fake_pids() == []
+
+
+def test_hang_with_chatty_output_is_killed_with_its_whole_tree(tmp_path: Path) -> None:
+    """The hung trainer keeps printing: output is not progress. It also has a child in a
+    session of its own (as torchrun's ranks are): the tree kill must end it too."""
+    faults = [{"kind": "hang", "step": 5, "attempt": 0}]
+    timeouts = Timeouts(hang_s=1.5, startup_s=60, grace_s=1.0)
+    config, outcome, _ = _run(
+        tmp_path,
+        faults,
+        RetryPolicy(backoff_s=0),
+        standby=False,
+        timeouts=timeouts,
+        env={"FAKE_RANK_CHILD": str(tmp_path / "child")},
+    )
+    assert [a.outcome for a in outcome.attempts] == [Outcome.HANG, Outcome.SUCCESS]
+    mark = next(e for e in read_events(config.job_url) if e.name == Mark.FAILURE)
+    assert mark.attrs["cause"] == "hang" and mark.step == 4
+    assert _fake_pids() == []
+    children = [int(p.read_text()) for p in tmp_path.glob("child.*")]
+    assert len(children) == 2  # one per attempt: the hung one's and the successful one's
+    alive = [pid for pid in children if processes.pid_alive(pid)]
+    assert alive == [], f"a rank's child outlived its attempt: {alive}"
+
+
+def test_bad_config_is_not_retried(tmp_path: Path) -> None:
+    env = {"FAKE_EXIT_CODE": str(ExitCode.USAGE)}
+    _, outcome, sleeps = _run(tmp_path, [], RetryPolicy(max_failures=3), env=env)
+    assert not outcome.succeeded and len(outcome.attempts) == 1 and sleeps == []
+    assert outcome.attempts[0].outcome == Outcome.BAD_CONFIG
+    assert "not retried" in outcome.message
+
+
+def test_unpromoted_standby_is_released_and_not_accounted(tmp_path: Path) -> None:
+    config, outcome, _ = _run(tmp_path, [], RetryPolicy(), steps=60)
+    assert outcome.succeeded and len(outcome.attempts) == 1
+    events = read_events(config.job_url)
+    assert any(e.name == Mark.STANDBY_READY and e.attempt == 1 for e in events)
+    assert not any(e.name == Mark.PROMOTED for e in events)
+    report = report_for_job(config.job_url)
+    assert [a.attempt for a in report.attempts] == [0] and report.standbys == ()
+    assert _fake_pids() == []
+
+
+class _Cancelled(BaseException):
+    """Stands for Prefect's TerminationSignal, raised in the flow's thread."""
+
+
+def test_cancelled_job_preempts_its_attempt_and_ends_the_standby(tmp_path: Path) -> None:
+    config, spec = _spec(tmp_path, [], steps=100_000)
+    runner = JobRunner(config.job_url, spec, RetryPolicy(), timeouts=Timeouts(grace_s=20))
+
+    def watch_then_cancel(attempt: AttemptProcess) -> object:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until the standby is parked
+            standby = runner._standby.progress() if runner._standby is not None else None
+            if standby is not None and standby.phase == "parked":
+                raise _Cancelled()
+            runner._progress(attempt, attempt.progress()) if attempt.progress() else None
+            time.sleep(0.05)
+        raise AssertionError("the standby never parked")
+
+    with pytest.raises(_Cancelled):
+        runner.run(watch_then_cancel)
+    events = read_events(config.job_url)
+    # SIGTERM -> the attempt checkpointed at its step boundary and exited as preempted.
+    assert any(e.name == Mark.CHECKPOINT_COMMITTED and e.attempt == 0 for e in events)
+    assert _fake_pids() == []
+
+
+def test_orchestrator_death_stops_its_trainers(tmp_path: Path) -> None:
+    """No orchestrator, no training: the lifeline (the control pipe) closes with it."""
+    config, spec = _spec(tmp_path, [], steps=100_000)
+    root = str(Path(FAKE).parents[1])
+    script = (
+        f"import sys; sys.path.insert(0, {root!r})\n"
+        "from tasks.attempts import JobRunner, LaunchSpec, RetryPolicy\n"
+        f"spec = LaunchSpec({spec.config_path!r}, launcher=({FAKE!r},))\n"
+        f"JobRunner({config.job_url!r}, spec, RetryPolicy()).run()\n"
+    )
+    orchestrator = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(
+        e.name == Mark.STANDBY_READY for e in read_events(config.job_url)
+    ):
+        time.sleep(0.1)
+    assert _fake_pids(), "the job never started"
+    orchestrator.send_signal(signal.SIGKILL)
+    orchestrator.wait()
+    deadline = time.monotonic() + 30
+    while _fake_pids() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _fake_pids() == []
+    events = read_events(config.job_url)
+    assert any(e.name == Mark.CHECKPOINT_COMMITTED and e.attempt == 0 for e in events)
+
+
+def test_next_attempt_continues_numbering(tmp_path: Path) -> None:
+    config, outcome, _ = _run(
+        tmp_path, [{"kind": "crash", "step": 3, "attempt": 0}], RetryPolicy(), standby=False
+    )
+    assert outcome.succeeded and next_attempt(config.job_url) == 2
+    env_attempts = {e.attempt for e in read_events(config.job_url)}
+    assert env_attempts == {0, 1}
+    assert os.path.exists(tmp_path / "store" / "jobs" / config.job_id / "fake_ckpt.txt")

@@ -1,0 +1,146 @@
+"""``python -m trainer.launch [torchrun flags] -m trainer --config FILE``: torchrun for the trainer.
+
+The flags are torchrun's own (``torch.distributed.run``: the elastic agent, c10d rendezvous,
+``--nnodes``/``--rdzv-*`` for several nodes). Three things differ from plain ``torchrun``,
+each for time to start or time to recover:
+
+- **Ranks are forked from the agent.** The agent imports torch, TorchRec and the trainer
+  once, then forks each local rank (``--start-method fork``): a rank starts with everything
+  imported instead of paying the imports again after the agent's own. Where forking is not
+  safe (CUDA already initialised in the agent) the ranks are started as fresh interpreters,
+  as torchrun does.
+- **A failed rank takes the others down at once.** torchrun asks the surviving ranks to stop
+  with SIGTERM, which the trainer treats as a preemption: it would try to checkpoint with a
+  dead peer and block until the shutdown timeout. Here the survivors of a failure get
+  SIGKILL; the next attempt resumes from the newest committed checkpoint either way. A
+  SIGTERM sent to the agent itself (a real preemption) is still passed on as SIGTERM, with
+  ``--shutdown-timeout`` to save.
+- **The exit code is the first failed rank's** (infra/exit_codes.py; a signal ``s`` becomes
+  ``128 + s``), so the orchestrator and ``ett train`` classify an attempt from the code alone
+  instead of parsing torchrun's summary.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from infra.exit_codes import ExitCode
+
+log = logging.getLogger("trainer.launch")
+
+START_FORK = "fork"
+
+
+def _exit_code(code: int | None) -> int:
+    if code is None:
+        return ExitCode.CRASH
+    return 128 - code if code < 0 else code  # -9 -> 137
+
+
+def worker_main(*argv: str) -> None:
+    """A forked rank's entry point (``python -m trainer`` is the other)."""
+    from trainer.train import main
+
+    code = main(list(argv))
+    if code:
+        sys.exit(int(code))  # the agent reads the process's exit code
+
+
+# Exit codes of the local ranks, recorded by the agent when it shuts them down.
+_RANK_EXIT_CODES: dict[int, int | None] = {}
+
+
+def _use_fail_fast_agent() -> None:
+    """Survivors of a failed rank get SIGKILL, not SIGTERM (see the module docstring)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.launcher import api
+
+    class FailFastAgent(LocalElasticAgent):
+        def _stop_workers(self, worker_group: Any) -> None:
+            exited = _worker_exit_codes(self._pcontext).values()
+            if ExitCode.PREEMPTED in exited:  # preempted ranks: the others are saving too
+                self._shutdown(timeout=self._shutdown_timeout)
+            else:
+                self._shutdown(death_sig=signal.SIGKILL, timeout=5)
+
+        def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+            super()._shutdown(death_sig, timeout)
+            _RANK_EXIT_CODES.update(_worker_exit_codes(self._pcontext))
+
+    api.LocalElasticAgent = FailFastAgent  # type: ignore[misc]  # the agent launch_agent builds
+
+
+def _worker_exit_codes(pcontext: Any) -> dict[int, int | None]:
+    """Exit codes of the agent's local ranks after a shutdown (fork or exec children)."""
+    if pcontext is None:
+        return {}
+    procs = getattr(getattr(pcontext, "_pc", None), "processes", None)
+    if procs is not None:
+        return {i: p.exitcode for i, p in enumerate(procs)}
+    handlers = getattr(pcontext, "subprocess_handlers", {}) or {}
+    return {i: h.proc.returncode for i, h in handlers.items()}
+
+
+def _can_fork() -> bool:
+    """Forked ranks cannot use CUDA if the agent initialised it (an import might have)."""
+    import torch
+
+    return not torch.cuda.is_initialized()
+
+
+def run(argv: Sequence[str]) -> int:
+    """Parse torchrun's flags, start the agent with forked ranks, return the exit code."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    argv = list(argv)
+    if not any(a.startswith(("--start-method", "--start_method")) for a in argv):
+        argv.insert(0, f"--start-method={START_FORK}")
+    args = torchrun.get_args_parser().parse_args(argv)
+    if args.standalone:  # as torch.distributed.run does: a private c10d store on a free port
+        import uuid
+
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = (
+            "c10d",
+            "localhost:0",
+            str(uuid.uuid4()),
+        )
+    if args.master_port is None:
+        args.master_port = 29500
+    fork = args.start_method == START_FORK and _can_fork()
+    if not fork:
+        args.start_method = "spawn"
+    config, cmd, cmd_args = torchrun.config_from_args(args)
+    if fork:
+        import trainer.train  # noqa: F401 - imported once here, inherited by every forked rank
+
+        entry: Any = worker_main
+        entry_args = list(args.training_script_args)
+    else:
+        entry, entry_args = cmd, cmd_args
+    _use_fail_fast_agent()
+    try:
+        elastic_launch(config=config, entrypoint=entry)(*entry_args)
+        return ExitCode.SUCCESS
+    except ChildFailedError as exc:
+        _, failure = exc.get_first_failure()
+        return _exit_code(failure.exitcode)
+    except SignalException as exc:  # the agent was told to stop: its ranks' codes decide
+        codes = [c for c in _RANK_EXIT_CODES.values() if c]
+        log.warning("launcher stopped by %s; rank exit codes %s", exc.sigval, codes)
+        return _exit_code(codes[0]) if codes else 128 + int(exc.sigval)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    return run(sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

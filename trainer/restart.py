@@ -1,0 +1,104 @@
+"""In-process restart: a Python exception inside a training step, recovered without a new process.
+
+A crash in a step (a bad batch, a transient library error) need not cost a relaunch: every
+rank catches it, the ranks agree through the job's store (not a collective: a rank that did
+not fail may be blocked inside one), the newest committed checkpoint is loaded back into
+model, optimizer and RNG, the data loader is put back at that checkpoint's position, and the
+loop goes on from there. The steps since that checkpoint are redone, exactly as after a
+relaunch, so a run with an in-process restart ends bit-identical to one without a failure.
+
+It escalates to a process failure (the exception propagates, the attempt exits with a crash
+and the orchestrator promotes the standby) when:
+
+- not every rank reaches the agreement within ``recovery.agree_timeout_s`` (a rank is stuck
+  in a collective, or died),
+- the previous in-process restart was less than ``recovery.in_process_window_s`` ago (the
+  same failure is coming back: a process restart may clear what this one cannot),
+- ``recovery.in_process_restart`` is off, or nothing was ever committed to restore.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from infra.ledger import Ledger, Mark
+from infra.settings import JobConfig
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.data.loader import TrainLoader
+from trainer.distributed import DistEnv
+from trainer.init_stages import INITIAL_POSITION, Resume, restore_model
+
+log = logging.getLogger(__name__)
+
+
+class InProcessRestart:
+    """Owns the decision and the mechanics; one per attempt."""
+
+    def __init__(self, config: JobConfig, env: DistEnv, ledger: Ledger) -> None:
+        self.config, self.env, self.ledger = config, env, ledger
+        self.generation = 0
+        self.last: float | None = None
+
+    def recover(
+        self,
+        exc: BaseException,
+        failed_step: int,
+        model: Any,
+        optimizer: Any,
+        loader: TrainLoader,
+        checkpointer: Checkpointer,
+    ) -> Resume:
+        """Restore the newest committed state in place; re-raises ``exc`` to escalate."""
+        rec = self.config.recovery
+        now = time.time()
+        self.ledger.mark(
+            Mark.IN_PROCESS_RESTART, step=failed_step, error=f"{type(exc).__name__}: {exc}"[:300]
+        )
+        if not rec.in_process_restart:
+            raise exc
+        if self.last is not None and now - self.last < rec.in_process_window_s:
+            log.error(
+                "a second exception %.1f s after the last in-process restart (window %.0f s): "
+                "failing the attempt",
+                now - self.last,
+                rec.in_process_window_s,
+            )
+            raise exc
+        log.warning("step %d failed (%s): restarting in process", failed_step, exc)
+        if not self._agree(rec.agree_timeout_s):
+            log.error("not every rank reached the in-process restart: failing the attempt")
+            raise exc
+        self.last = now
+        try:
+            checkpointer.wait_for_inflight(timeout_s=rec.agree_timeout_s)
+        except TimeoutError:
+            checkpointer.abandon_inflight()
+        resume = restore_model(
+            self.config, self.env, model, optimizer, self.ledger, checkpointer.pg, in_process=True
+        )
+        if resume.url is None:
+            log.error("nothing committed to restore in process: failing the attempt")
+            raise exc
+        loader.load_state_dict(resume.loader or INITIAL_POSITION)
+        return resume
+
+    def _agree(self, timeout_s: float) -> bool:
+        """Every rank writes its key to the job's store and waits for all the others'."""
+        self.generation += 1
+        if self.env.world_size == 1:
+            return True
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"ett/in_process_restart/{self.generation}"
+        store.set(f"{prefix}/{self.env.rank}", str(self.ledger.attempt))
+        keys = [f"{prefix}/{r}" for r in range(self.env.world_size)]
+        try:
+            store.wait(keys, timedelta(seconds=timeout_s))
+            return True
+        except RuntimeError as exc:  # DistStoreError (a RuntimeError) on timeout
+            log.error("in-process restart agreement timed out: %s", exc)
+            return False
