@@ -1,7 +1,15 @@
-"""A job killed with SIGKILL at several steps (one while a checkpoint upload is in flight)
-and resumed each time ends bit-identical to an uninterrupted run with the same seed."""
+"""A job that fails at several steps and recovers each time ends bit-identical to an
+uninterrupted run with the same seed, whatever the recovery path: a relaunch after SIGKILL
+(one while a checkpoint upload is in flight), a warm standby promoted after a lost worker or
+a preemption, an in-process restart after an exception, and with the compiled step.
+
+Identical final weights alone cannot tell a resume from a retrain from scratch (training is
+deterministic), so every recovery must also show its ``resume`` mark at the step expected.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,10 +17,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from infra import storage
-from infra.exit_codes import ExitCode
-from infra.ledger import read_events
-from tests.factories import run_trainer, tiny_config, write_dataset
+from infra.exit_codes import Outcome
+from infra.ledger import Mark, read_events
+from infra.settings import JobConfig, dump_config
+from tasks.attempts import JobOutcome, JobRunner, LaunchSpec, RetryPolicy, Timeouts
+from tests.factories import tiny_config, write_dataset
 from trainer.checkpoint.manifest import committed_checkpoints
+
+EVERY = 5
 
 
 def load_flat(ckpt_url: str) -> dict[str, torch.Tensor]:
@@ -28,65 +40,102 @@ def load_flat(ckpt_url: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def run_until_done(config, tmp_path, nproc: int, max_attempts: int = 6) -> list[int]:
-    codes = []
-    for _ in range(max_attempts):
-        result = run_trainer(config, tmp_path, nproc=nproc)
-        codes.append(result.returncode)
-        if result.returncode == ExitCode.SUCCESS:
-            return codes
-        assert "Traceback" not in result.stdout, result.stdout[-3000:]
-    raise AssertionError(f"job did not finish in {max_attempts} attempts: {codes}")
+def run_job(config: JobConfig, tmp_path: Path, nproc: int, standby: bool) -> JobOutcome:
+    """The job through the orchestrator's attempt loop, as the flow and `ett train` run it."""
+    path = tmp_path / f"{config.job_id}.yaml"
+    dump_config(config, path)
+    spec = LaunchSpec(str(path), nproc=nproc, env={"OMP_NUM_THREADS": "1"})
+    runner = JobRunner(
+        config.job_url,
+        spec,
+        RetryPolicy(max_failures=5, backoff_s=0),
+        Timeouts(grace_s=30),
+        standby=standby,
+    )
+    return runner.run()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("nproc", "faults"),
-    [
-        (
-            1,
-            [
-                {"kind": "sigkill", "step": 7, "attempt": 0},
-                {"kind": "sigkill_mid_upload", "step": 15, "attempt": 1},
-                {"kind": "sigkill", "step": 23, "attempt": 2},
-            ],
-        ),
-        (
-            2,
-            [
-                {"kind": "sigkill_mid_upload", "step": 10, "attempt": 0},
-                {"kind": "sigkill", "step": 18, "attempt": 1},
-            ],
-        ),
-    ],
-    ids=["1proc", "2proc"],
-)
-def test_killed_and_resumed_run_is_bit_identical(tmp_path, nproc: int, faults) -> None:
-    sections = {
-        "train": {"steps": 25, "eval_every": 0, "eval_rows": 256, "log_every": 5},
-        "checkpoint": {"mode": "async_staged", "every_steps": 5, "keep_latest_k": 2},
-    }
-    clean = tiny_config(tmp_path, job_id="clean", **sections)
-    write_dataset(clean)
-    assert run_until_done(clean, tmp_path, nproc) == [0]
-
-    killed = tiny_config(tmp_path, job_id="killed", faults=faults, **sections)
-    codes = run_until_done(killed, tmp_path, nproc)
-    assert len(codes) == len(faults) + 1 and all(c != 0 for c in codes[:-1]), codes
-
-    [a, b] = [committed_checkpoints(c.job_url)[0] for c in (clean, killed)]
-    assert a.step == b.step == 25 and a.manifest.anchor and b.manifest.anchor
+def assert_bit_identical(clean: JobConfig, faulted: JobConfig, steps: int) -> None:
+    [a, b] = [committed_checkpoints(c.job_url)[0] for c in (clean, faulted)]
+    assert a.step == b.step == steps and a.manifest.anchor and b.manifest.anchor
     left, right = load_flat(a.url), load_flat(b.url)
     assert left.keys() == right.keys()
     assert any(k.startswith("optim.") for k in left), "optimizer state must be checkpointed"
     differing = [k for k in left if not torch.equal(left[k], right[k])]
     assert differing == [], f"not bit-identical: {differing[:5]}"
 
-    # Each attempt resumed from a COMMITTED checkpoint at or before its kill (which one
-    # depends on whether the last async upload had finished); a kill mid-upload of step s
-    # left step s uncommitted, so the next attempt resumed from before s.
-    resumes = {e.attempt: e.step for e in read_events(killed.job_url) if e.name == "resume"}
-    assert resumes, "no attempt resumed from a checkpoint"
-    for fault in faults:
-        resumed_at = resumes.get(fault["attempt"] + 1, 0)
-        assert resumed_at % 5 == 0 and resumed_at < fault["step"], (fault, resumes)
+
+def resumes(config: JobConfig) -> list[tuple[int, int, bool]]:
+    """(attempt, step, in_process) of every resume mark of rank 0, in order."""
+    marks = [e for e in read_events(config.job_url) if e.name == Mark.RESUME and e.rank == 0]
+    return [(e.attempt, e.step, bool(e.attrs.get("in_process"))) for e in marks]
+
+
+SECTIONS = {
+    "train": {"steps": 25, "eval_every": 0, "eval_rows": 256, "log_every": 5},
+    "checkpoint": {"mode": "async_staged", "every_steps": EVERY, "keep_latest_k": 2},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2], ids=["1proc", "2proc"])
+def test_relaunched_after_sigkills_is_bit_identical(tmp_path, nproc: int) -> None:
+    """Cold relaunches (no standby): SIGKILL mid-step and mid-upload."""
+    faults = [
+        {"kind": "sigkill_mid_upload", "step": 10, "attempt": 0},
+        {"kind": "sigkill", "step": 18, "attempt": 1},
+    ]
+    clean = tiny_config(tmp_path, job_id="clean", **SECTIONS)
+    write_dataset(clean)
+    assert run_job(clean, tmp_path, nproc, standby=False).succeeded
+    killed = tiny_config(tmp_path, job_id="killed", faults=faults, **SECTIONS)
+    outcome = run_job(killed, tmp_path, nproc, standby=False)
+    assert [a.outcome for a in outcome.attempts] == [Outcome.SIGKILL] * 2 + [Outcome.SUCCESS]
+    assert_bit_identical(clean, killed, 25)
+    # Each relaunch resumed from a COMMITTED checkpoint before its kill; a kill mid-upload of
+    # step 10 left step 10 uncommitted, so attempt 1 resumed from step 5.
+    got = resumes(killed)
+    assert [(a, in_proc) for a, _, in_proc in got] == [(1, False), (2, False)]
+    assert got[0][1] == 5 and got[1][1] in (10, 15)
+
+
+@pytest.mark.slow
+def test_standby_promotion_and_in_process_restart_are_bit_identical(tmp_path) -> None:
+    """One crash recovered in process, a lost worker and a preemption each recovered by a
+    promoted warm standby."""
+    faults = [
+        {"kind": "crash", "step": 8, "attempt": 0},
+        {"kind": "sigkill", "step": 17, "attempt": 0},
+        {"kind": "sigterm", "step": 21, "attempt": 1},
+    ]
+    clean = tiny_config(tmp_path, job_id="clean", **SECTIONS)
+    write_dataset(clean)
+    assert run_job(clean, tmp_path, 2, standby=True).succeeded
+    faulted = tiny_config(tmp_path, job_id="faulted", faults=faults, **SECTIONS)
+    outcome = run_job(faulted, tmp_path, 2, standby=True)
+    got = [(a.outcome, a.from_standby) for a in outcome.attempts]
+    assert got == [(Outcome.SIGKILL, False), (Outcome.PREEMPTED, True), (Outcome.SUCCESS, True)]
+    assert_bit_identical(clean, faulted, 25)
+    marks = resumes(faulted)
+    assert marks[0] == (0, 5, True)  # the crash at step 8: step 5 was the newest commit
+    assert marks[1][:2] in ((1, 10), (1, 15)) and not marks[1][2]  # promoted after step 16
+    # SIGTERM landed in step 21; the ranks agree one step later (no barrier on the hot
+    # path), so both stopped after step 22 and saved it.
+    assert marks[2] == (2, 22, False)
+    events = read_events(faulted.job_url)
+    assert {e.attempt for e in events if e.name == Mark.PROMOTED and e.rank == 0} == {1, 2}
+
+
+@pytest.mark.slow
+def test_compiled_step_resumes_bit_identical(tmp_path) -> None:
+    """The default compiled step: the relaunch loads the compile cache of the first attempt."""
+    sections = {**SECTIONS, "train": {**SECTIONS["train"], "steps": 15, "compile": True}}
+    faults = [{"kind": "sigkill", "step": 12, "attempt": 0}]
+    clean = tiny_config(tmp_path, job_id="clean", **sections)
+    write_dataset(clean)
+    assert run_job(clean, tmp_path, 1, standby=False).succeeded
+    killed = tiny_config(tmp_path, job_id="killed", faults=faults, **sections)
+    outcome = run_job(killed, tmp_path, 1, standby=False)
+    assert [a.outcome for a in outcome.attempts] == [Outcome.SIGKILL, Outcome.SUCCESS]
+    assert_bit_identical(clean, killed, 15)
+    assert resumes(killed) in ([(1, 10, False)], [(1, 5, False)])
