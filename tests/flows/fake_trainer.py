@@ -3,7 +3,8 @@ contract (exit codes, progress lines, ledger marks, resume, injected faults) wit
 
 It reads job_id, storage.root, train.steps/log_every, checkpoint.every_steps and faults from
 the config, and ETT_ATTEMPT from the environment. A "checkpoint" is a file holding the last
-committed step; each attempt resumes from it. Faults: crash -> exit 1, sigkill -> SIGKILL
+committed step; each attempt resumes from it; the final one also commits an anchor
+manifest (what the flow looks for). Faults: crash -> exit 1, sigkill -> SIGKILL
 itself, sigterm -> commit and exit 83 (preempted), hang -> stop printing and sleep. A real
 SIGTERM is a preemption too (commit at the next step boundary, exit 83).
 FAKE_EXIT_CODE=<n> exits at once with n (e.g. 2, a bad config) after marking attempt_start.
@@ -23,6 +24,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from infra import storage  # noqa: E402
+from infra.checkpoints import MANIFEST, Manifest, checkpoints_url, step_dir_name  # noqa: E402
 from infra.exit_codes import ExitCode
 from infra.ledger import Ledger  # noqa: E402
 
@@ -83,7 +85,10 @@ def main() -> int:
             commit(step)
     with ledger.span("shutdown", step=step):
         commit(step)
-        ledger.mark("anchor_committed", step=step, url=f"{job_url}/checkpoints/step-{step}")
+        anchor = storage.join(checkpoints_url(job_url), step_dir_name(step))
+        manifest = Manifest(step=step, world_size=1, config_hash="fake", files={}, anchor=True)
+        storage.write_text(storage.join(anchor, MANIFEST), manifest.to_json())  # the commit
+        ledger.mark("anchor_committed", step=step, url=anchor)
     ledger.mark("job_end", step=step)
     ledger.close()
     return ExitCode.SUCCESS
