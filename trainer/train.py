@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from infra import storage
 from infra.exit_codes import ExitCode
-from infra.ledger import Ledger, ledger_url
+from infra.ledger import Ledger, ledger_url, recover_orphaned_spools
 from infra.settings import CheckpointMode, ConfigError, JobConfig, load_config
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.manifest import CheckpointError
@@ -108,20 +108,27 @@ def run(config: JobConfig) -> int:
     """Train one attempt of the job; returns the process exit code."""
     storage.configure(config.storage)
     rank = int(os.environ.get("RANK", "0"))
+    recover_orphaned_spools(config.job_url)  # ledger events of killed attempts on this node
     attempt = next_attempt(config.job_url, rank)
     ledger = Ledger(config.job_url, attempt=attempt, rank=rank)
     ledger.mark("attempt_start", pid=os.getpid())
     preemption = Preemption()
     preemption.install()
     try:
-        return _train(config, ledger, preemption)
+        code = _train(config, ledger, preemption)
     except CheckpointError as exc:  # corrupt or incompatible: relaunching cannot help
         log.error("cannot resume: %s", exc)
-        return ExitCode.CHECKPOINT_INCOMPATIBLE
+        code = ExitCode.CHECKPOINT_INCOMPATIBLE
     finally:
-        ledger.close()
+        ledger_saved = ledger.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+    if not ledger_saved and code == ExitCode.SUCCESS:  # trained, but its accounting is not stored
+        log.error(
+            "the ETT ledger %s was not stored; exiting %d", ledger.url, ExitCode.LEDGER_NOT_SAVED
+        )
+        return ExitCode.LEDGER_NOT_SAVED
+    return code
 
 
 def should_checkpoint(config: JobConfig, step: int, last_save: float, now: float) -> bool:
