@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -216,6 +217,7 @@ def test_a_failed_final_upload_is_reported_and_keeps_the_spooled_events(monkeypa
     assert led.close() is False and led.close() is False
     kept = Path(led._local).read_text()
     assert '"cause":"sigkill"' in kept
+    shutil.rmtree(Path(led._local).parent)  # no later attempt of this job will take it
 
 
 def test_events_from_all_files_are_merged_in_time_order(tmp_path) -> None:
