@@ -13,7 +13,14 @@ Reported, all from the same run:
   exit, measured directly), as a share of the median bare step — the steadier number;
 - the cost of one event in a tight loop, where caches are hot (a lower bound).
 
+``--events-only`` skips the model and compares, side by side in one run, the cost of one
+event on the training thread for a ledger on local disk and one on object storage
+(``--object-url``, default ``memory://bench``: spooled locally, uploaded by a background thread
+every ``--sync-every-s``): median, p99 and worst event, where an upload made on the writing
+thread would show.
+
     .venv/bin/python benchmarks/bench_ledger.py [--pairs 1500 --batch 1024]
+    .venv/bin/python benchmarks/bench_ledger.py --events-only [--object-url s3://bucket/x]
 
 Prints a markdown table and writes benchmarks/results/ledger.json. Target: < 1% per step.
 """
@@ -106,6 +113,46 @@ def event_cost_us(ledger: Ledger, n: int) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
+def event_latencies_us(ledger: Ledger, n: int) -> list[float]:
+    """Each train_step span's time on the writing thread, in microseconds."""
+    out = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        with ledger.span("train_step", step=i) as attrs:
+            attrs["loss"] = 0.5
+        out.append((time.perf_counter() - t0) * 1e6)
+    return out
+
+
+def events_only(args: argparse.Namespace) -> dict[str, object]:
+    """Local disk vs object storage, interleaved in rounds so drift hits both alike."""
+    rounds, per_round = 10, max(args.events // 10, 1)
+    with tempfile.TemporaryDirectory(prefix="bench-ledger-") as tmp:
+        ledgers = {
+            "local": Ledger(str(Path(tmp) / "job")),
+            "object": Ledger(
+                f"{args.object_url}/bench-ledger-{os.getpid()}-{time.time_ns()}",
+                sync_every_s=args.sync_every_s,
+            ),
+        }
+        times: dict[str, list[float]] = {k: [] for k in ledgers}
+        for _ in range(rounds):
+            for kind, ledger in ledgers.items():
+                times[kind] += event_latencies_us(ledger, per_round)
+        for ledger in ledgers.values():
+            ledger.close()
+    out: dict[str, object] = {}
+    for kind, ts in times.items():
+        ts.sort()
+        out[kind] = {
+            "median_us": statistics.median(ts),
+            "p99_us": ts[int(0.99 * len(ts))],
+            "max_us": ts[-1],
+            "events": len(ts),
+        }
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=1500, help="bare/instrumented step pairs")
@@ -120,7 +167,22 @@ def main() -> None:
     )
     p.add_argument("--events", type=int, default=20_000, help="events for the tight loop")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ledger.json"))
+    p.add_argument("--events-only", action="store_true", help="local vs object storage only")
+    p.add_argument("--object-url", default="memory://bench", help="object storage (--events-only)")
+    p.add_argument("--sync-every-s", type=float, default=0.1, help="upload interval there")
     args = p.parse_args()
+    if args.events_only:
+        result = events_only(args)
+        print("| ledger | median / p99 / worst event on the writing thread | events |")
+        print("|---|---|---|")
+        for kind, r in result.items():
+            assert isinstance(r, dict)
+            print(
+                f"| {kind} | {r['median_us']:.1f} / {r['p99_us']:.1f} / {r['max_us']:.0f} us "
+                f"| {r['events']} |"
+            )
+        print(f"(sync every {args.sync_every_s} s, load avg {os.getloadavg()[0]:.1f})")
+        return
 
     bare: list[float] = []
     instrumented: list[float] = []

@@ -26,6 +26,16 @@ from the failed attempt's last event to the promoted attempt's first step.
 In-process restart: an ``in_process_restart`` mark is a failure inside a living attempt.
 Its recovery window runs from the mark to the attempt's next train_step; the steps redone
 after it are wasted as usual (the same step number runs again later in the same attempt).
+
+``unknown`` is time the ledger cannot see: a failed attempt whose rank-0 trainer events were
+lost (on object storage a killed process's unsent events, when its spool was never
+recovered). Evidence, never a guess from durations: the reader's ``ledger_incomplete`` mark
+on its trainer file, or the orchestrator's ``failure`` mark naming a later step than the
+attempt's last train_step (or a step while the attempt has none). Its window runs from the
+attempt's last event seen (the orchestrator's launcher_init, an inference, aside) to the
+failure mark, when the orchestrator saw it dead; that death is the failure's ``died_at``,
+so recovery starts there. It outranks the inferred windows (recovery, startup), which would
+otherwise claim it, and yields to every observed span; it counts in Idleness%.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from infra.exit_codes import Outcome
@@ -47,6 +57,7 @@ BUCKETS = (
     "recovery",
     "eval",
     "shutdown",
+    "unknown",
     "other",
 )
 # Highest first: an instant covered by several spans/windows goes to the first of them.
@@ -56,6 +67,7 @@ PRIORITY = (
     "effective_training",
     "wasted_training",
     "shutdown",
+    "unknown",
     "recovery",
     "startup",
     "other",
@@ -302,6 +314,44 @@ def _attempts(
     return attempts, sorted(died, key=lambda d: d[0]), restarts
 
 
+def _unseen(
+    died: list[tuple[float, int, Event | None]], by_attempt: dict[int, list[Event]]
+) -> tuple[list[tuple[float, int, Event | None]], list[tuple[float, float, str]]]:
+    """Failed attempts whose rank-0 trainer events were lost (module docstring): their
+    ``unknown`` windows, and ``died`` with each such death moved to its failure mark."""
+    out, windows = [], []
+    for t_died, a, mark in died:
+        evs = by_attempt[a]
+        steps = [e.step for e in evs if e.name == Span.TRAIN_STEP and e.step is not None]
+        lost = any(
+            e.name == Mark.LEDGER_INCOMPLETE and e.attrs.get("role") == "trainer" for e in evs
+        ) or (mark is not None and mark.step is not None and mark.step > max(steps, default=-1))
+        if mark is None or not lost:
+            out.append((t_died, a, mark))
+            continue
+        seen = [e.start for e in evs if e.name == Span.LAUNCHER_INIT]
+        seen += [e.end for e in evs if e.name not in (Span.LAUNCHER_INIT, Mark.FAILURE)]
+        seen_until = max(seen, default=t_died)
+        if mark.start > seen_until:
+            windows.append((seen_until, mark.start, "unknown"))
+        out.append((max(t_died, mark.start), a, mark))
+    return sorted(out, key=lambda d: d[0]), windows
+
+
+def _minus_unseen(
+    failures: list[FailureRecord],
+    windows: list[tuple[float, float, str]],
+    unseen: list[tuple[float, float, str]],
+) -> list[FailureRecord]:
+    """Time to Recover without the unknown windows inside a recovery window (a later attempt
+    ran unseen there): that time is nobody's recovery."""
+    out = []
+    for f, (s, e, _) in zip(failures, windows, strict=True):
+        hidden = math.fsum(max(0.0, min(e, ue) - max(s, us)) for us, ue, _ in unseen)
+        out.append(replace(f, time_to_recover_s=f.time_to_recover_s - hidden) if hidden else f)
+    return out
+
+
 def _failures(
     died: list[tuple[float, int, Event | None]],
     attempts: list[AttemptSummary],
@@ -320,11 +370,12 @@ def _failures(
         windows.append((t_died, end, "recovery"))
         attrs = mark.attrs if mark else {}
         step = mark.step if mark and mark.step is not None else attrs.get("step")
+        known = [s for s in (step, last_step[a]) if s is not None]  # the ledger may know more
         out.append(
             FailureRecord(
                 attempt=a,
                 cause=str(attrs.get("cause", "unobserved")),
-                last_step=last_step[a] if step is None else step,
+                last_step=max(known) if known else None,
                 died_at=t_died - t0,
                 detected_at=None if mark is None else mark.start - t0,
                 resumed_at=None if resumed is None or end != resumed else resumed - t0,
@@ -403,7 +454,10 @@ def compute_report(events: list[Event], interval_s: float | None = None) -> EttR
         first_step.setdefault(e.attempt, e.start)
         last_end[e.attempt] = max(last_end.get(e.attempt, e.end), e.end)
     attempts, died, restarts = _attempts(order, by_attempt, steps, t0)
+    died, unseen = _unseen(died, by_attempt)
     failures, windows = _failures(died, attempts, steps, t0, t1)
+    failures = _minus_unseen(failures, windows, unseen)
+    windows += unseen
     in_process, in_process_windows = _in_process_failures(job, steps, t0)
     failures = sorted(failures + in_process, key=lambda f: f.died_at)
     windows += in_process_windows

@@ -18,6 +18,7 @@ COLORS = {
     "recovery": "#9467bd",
     "eval": "#17becf",
     "shutdown": "#8c564b",
+    "unknown": "#e7e7e7",
     "other": "#c7c7c7",
 }
 

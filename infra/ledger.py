@@ -1,9 +1,23 @@
 """The ETT ledger: an append-only log of timed events, one JSON-lines file per attempt and rank.
 
 Every second of a job is accounted for from these events (see infra/ett.py). Each event is
-one line, written and flushed as it happens, so a process killed with SIGKILL loses at most
-the line being written; the reader skips a torn line. On object stores, which cannot append,
-the file is spooled on local disk and uploaded whole every ``sync_every_s`` and on close.
+one line, written with one ``os.write`` as it happens, so a process killed with SIGKILL loses
+at most the line being written; the reader skips a torn line.
+
+On local disk the file is appended to in place. Object stores cannot append, so there the
+file is spooled on local disk (same single write per event) and a background thread, never
+the training thread, uploads what was appended since its last upload as one small object
+every ``sync_every_s``, and the rest at close::
+
+    <job_url>/ledger/trainer-attempt000-rank000.jsonl/000000000000         bytes [0, n1)
+    <job_url>/ledger/trainer-attempt000-rank000.jsonl/000000004711         bytes [n1, n2)
+    <job_url>/ledger/trainer-attempt000-rank000.jsonl/000000009000.final   the rest: sealed
+
+A segment is named by its byte offset in the spool, so uploading it again (a retry, or a
+recovery racing another) rewrites the same object. A spool is kept until its file is sealed:
+when the process is killed first, the next process of the job on that node uploads the rest
+(``recover_orphaned_spools``). A file that is neither sealed nor recovered may miss its last
+events; the reader says so with a ``ledger_incomplete`` mark (see ``read_events``).
 
 Event line format (version 1)::
 
@@ -18,6 +32,7 @@ Times are Unix seconds (time.time()) so spans written by different processes of 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -33,7 +48,7 @@ from enum import StrEnum
 from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
 
-from infra import storage
+from infra import processes, storage
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +98,9 @@ class Mark(StrEnum):
     ANCHOR_COMMITTED = "anchor_committed"
     RECOMPILE = "recompile"
     JOB_END = "job_end"
+    # Made by the reader, never written: this file's writer neither sealed it nor had its
+    # spool recovered, so events after this instant (its last one) may be missing.
+    LEDGER_INCOMPLETE = "ledger_incomplete"
 
 
 JOB_SPANS = (Span.SCHEDULING, Span.LAUNCHER_INIT, Span.SHUTDOWN)
@@ -201,7 +219,113 @@ def _file_name(attempt: int, rank: int, role: str) -> str:
     return f"{role}-attempt{attempt:03d}-rank{rank:03d}.jsonl"
 
 
-_ATTEMPT_FILE = re.compile(r"^(?P<role>[a-z]+)-attempt(?P<attempt>\d+)-rank(?P<rank>\d+)\.jsonl")
+_FILE_NAME = re.compile(r"^(?P<role>[a-z_]+)-attempt(?P<attempt>\d+)-rank(?P<rank>\d+)\.jsonl$")
+
+# -- object storage: segments and spools ----------------------------------------------------
+FINAL = ".final"  # the suffix of the segment that seals a file
+_SEGMENT_NAME = re.compile(r"^(?P<offset>\d{12})(?P<final>\.final)?$")
+FIRST_SYNC_S = 1.0  # the first upload comes early, so a start mark is soon visible
+MIN_SYNC_S = 0.05  # the uploader never spins, whatever sync_every_s says
+
+
+def _segment_name(offset: int, final: bool) -> str:
+    return f"{offset:012d}{FINAL if final else ''}"
+
+
+def _spool_prefix(job_url: str) -> str:
+    """Spool folders are named ``ett-ledger-<job>-<hash of the job URL>-p<pid>-<random>``:
+    the job, to find them again; the pid, to know whether their writer still runs."""
+    url = job_url.rstrip("/")
+    tail = re.sub(r"[^A-Za-z0-9_.]", "_", url.rsplit("/", 1)[-1])[:40]
+    key = hashlib.sha256(url.encode()).hexdigest()[:12]
+    return f"ett-ledger-{tail}-{key}-p"
+
+
+class _Spool:
+    """A local spool file and how much of it is stored as segments under ``url``."""
+
+    def __init__(self, local: str, url: str, uploaded: int = 0) -> None:
+        self.local, self.url, self.uploaded = local, url, uploaded
+        self._lock = threading.Lock()  # the uploader thread, sync() and close() take turns
+
+    def push(self, final: bool) -> bool:
+        """Upload what was appended since the last push as one segment; returns whether it
+        is stored. Before ``final`` only whole lines go (the writer may be mid-line); the
+        final push takes everything (a torn last line of a killed writer included, which
+        the reader skips) and seals the file, even with nothing new."""
+        with self._lock:
+            try:
+                with open(self.local, "rb") as fh:
+                    fh.seek(self.uploaded)
+                    data = fh.read()
+                if not final:
+                    data = data[: data.rfind(b"\n") + 1]
+                    if not data:
+                        return True
+                name = _segment_name(self.uploaded, final)
+                storage.write_bytes(storage.join(self.url, name), data)
+            except Exception as exc:  # noqa: BLE001 - a storage hiccup must never stop training
+                log.warning("ledger upload to %s failed (kept on local disk): %s", self.url, exc)
+                return False
+            self.uploaded += len(data)
+            return True
+
+
+def _stored_extent(url: str) -> tuple[int, bool]:
+    """How many bytes of a segmented file are stored, and whether it is sealed."""
+    fs, path = storage.split(url)
+    try:
+        infos = storage.with_retries(f"list {url}", lambda: fs.ls(path, detail=True))
+    except FileNotFoundError:
+        return 0, False
+    end, sealed = 0, False
+    for info in infos:
+        m = _SEGMENT_NAME.match(str(info["name"]).rstrip("/").rsplit("/", 1)[-1])
+        if m:
+            end = max(end, int(m["offset"]) + int(info.get("size") or 0))
+            sealed = sealed or bool(m["final"])
+    return end, sealed
+
+
+def recover_orphaned_spools(job_url: str) -> list[str]:
+    """Upload and seal what killed processes of this job left in their local spools.
+
+    Call it on each node before a new attempt writes (the trainer does, in ``run``): a
+    process killed with SIGKILL leaves its unsent events in a spool folder named with its
+    pid; one whose process still runs is left alone. A spool is deleted once its file is
+    sealed; one that cannot be uploaded now is kept for the next call. Returns the ledger
+    URLs completed. On local disk there are no spools: nothing to do.
+    """
+    if storage.local_path(job_url) is not None:
+        return []
+    prefix = _spool_prefix(job_url)
+    completed: list[str] = []
+    for entry in os.scandir(tempfile.gettempdir()):
+        pid = entry.name[len(prefix) :].split("-", 1)[0]
+        if not entry.name.startswith(prefix) or not pid.isdigit() or not entry.is_dir():
+            continue
+        if processes.pid_alive(int(pid)):
+            continue
+        done = True
+        for name in sorted(os.listdir(entry.path)):
+            if not _FILE_NAME.match(name):
+                continue
+            url = storage.join(ledger_url(job_url), name)
+            try:
+                stored, sealed = _stored_extent(url)
+            except Exception as exc:  # noqa: BLE001 - never stops an attempt from starting
+                log.warning("cannot recover ledger spool %s now: %s", entry.path, exc)
+                done = False
+                continue
+            if sealed or _Spool(os.path.join(entry.path, name), url, stored).push(final=True):
+                completed.append(url)
+            else:
+                done = False
+        if done:
+            shutil.rmtree(entry.path, ignore_errors=True)
+    if completed:
+        log.info("recovered %d ledger file(s) of killed processes: %s", len(completed), completed)
+    return completed
 
 
 def next_attempt(job_url: str, role: str | None = None, rank: int | None = None) -> int:
@@ -210,7 +334,7 @@ def next_attempt(job_url: str, role: str | None = None, rank: int | None = None)
     so a job that is run again continues its numbering and its report covers every attempt."""
     numbers = []
     for url in storage.glob(storage.join(ledger_url(job_url), "*.jsonl*")):
-        m = _ATTEMPT_FILE.match(url.rstrip("/").rsplit("/", 1)[-1])
+        m = _FILE_NAME.match(url.rstrip("/").rsplit("/", 1)[-1])
         if m and role in (None, m["role"]) and rank in (None, int(m["rank"])):
             numbers.append(int(m["attempt"]))
     return max(numbers) + 1 if numbers else 0
@@ -220,7 +344,8 @@ class Ledger:
     """Writes one process's events for one attempt of a job.
 
     ``role`` separates writers that share an attempt and rank: the trainer ("trainer"),
-    the orchestrator ("orchestrator"), the publisher ("publish").
+    the orchestrator ("orchestrator"), the publisher ("publish"). On object storage
+    ``sync_every_s`` is how often the uploader thread stores new events.
     """
 
     def __init__(
@@ -235,21 +360,29 @@ class Ledger:
         self.attempt = attempt
         self.rank = rank
         self.clock = clock
-        self.url = storage.join(ledger_url(job_url), _file_name(attempt, rank, role))
+        name = _file_name(attempt, rank, role)
+        self.url = storage.join(ledger_url(job_url), name)
         self._lock = threading.Lock()
         local = storage.local_path(self.url)
-        self._remote = local is None
-        if self._remote:
-            spool_dir = tempfile.mkdtemp(prefix="ett-ledger-")
-            local = os.path.join(spool_dir, _file_name(attempt, rank, role))
+        self._spool: _Spool | None = None
+        if local is None:
+            spool_dir = tempfile.mkdtemp(prefix=f"{_spool_prefix(job_url)}{os.getpid()}-")
+            local = os.path.join(spool_dir, name)
+            self._spool = _Spool(local, self.url)
         else:
             os.makedirs(os.path.dirname(local), exist_ok=True)
         self._local = local
         # One write() per event on an O_APPEND descriptor: no user-space buffer to lose on
         # SIGKILL, and at most the line being written is torn.
         self._fd: int | None = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._sync_every_s = sync_every_s
-        self._last_sync = clock()
+        self._stored = self._spool is None
+        self._closing = threading.Event()
+        self._uploader: threading.Thread | None = None
+        if self._spool is not None:
+            self._uploader = threading.Thread(
+                target=self._upload_loop, args=(sync_every_s,), name=f"ledger-{name}", daemon=True
+            )
+            self._uploader.start()
 
     # -- writing ----------------------------------------------------------------------------
     def _write(self, line: bytes) -> None:
@@ -257,8 +390,6 @@ class Ledger:
             if self._fd is None:
                 return
             os.write(self._fd, line)
-            if self._remote and self.clock() - self._last_sync >= self._sync_every_s:
-                self._sync_locked()
 
     def _write_span(
         self, name: str, start: float, end: float, step: int | None, attrs: dict[str, Any]
@@ -290,35 +421,49 @@ class Ledger:
         times = f'"t":{_time(self.clock() if t is None else t)}'
         self._write(_line("mark", name, times, self.attempt, self.rank, step, attrs))
 
-    def _sync_locked(self) -> bool:
-        try:
-            storage.put_file(self._local, self.url)
-            self._last_sync = self.clock()
+    # -- storing (object storage) -------------------------------------------------------------
+    def _upload_loop(self, every_s: float) -> None:
+        """The uploader thread: new whole lines every ``every_s``, then the seal at close."""
+        assert self._spool is not None
+        wait = min(every_s, FIRST_SYNC_S)
+        while not self._closing.wait(max(wait, MIN_SYNC_S)):
+            self._spool.push(final=False)
+            wait = every_s
+        self._stored = self._spool.push(final=True)
+
+    def sync(self) -> bool:
+        """Store the events written so far now, from the calling thread (on local disk they
+        are stored already); returns whether they are."""
+        if self._spool is None:
             return True
-        except OSError as exc:  # a storage hiccup must never stop training
-            log.warning("ledger upload to %s failed (will retry): %s", self.url, exc)
-            return False
+        return self._spool.push(final=False)
 
-    def sync(self) -> None:
-        """Push the spooled file to remote storage now (no-op on local disk)."""
-        if self._remote:
-            with self._lock:
-                self._sync_locked()
+    def close(self) -> bool:
+        """Stop writing and store the rest; returns whether every event is stored.
 
-    def close(self) -> None:
+        On object storage this waits for the uploader's last segment. When it fails nothing
+        is lost: the spool stays on local disk (logged) and the next process of the job on
+        this node uploads it (``recover_orphaned_spools``). Calling it again answers again.
+        """
         with self._lock:
             if self._fd is None:
-                return
+                return self._stored
             os.close(self._fd)
             self._fd = None
-            if not self._remote:
-                return
-            if self._sync_locked():
-                shutil.rmtree(os.path.dirname(self._local), ignore_errors=True)
-            else:  # nothing is lost: the events stay on local disk
-                log.error(
-                    "ledger %s not uploaded; its events are kept in %s", self.url, self._local
-                )
+        if self._uploader is None:
+            return True
+        self._closing.set()
+        self._uploader.join()
+        if self._stored:
+            shutil.rmtree(os.path.dirname(self._local), ignore_errors=True)
+        else:
+            log.error(
+                "ledger %s NOT stored; its events are kept in %s for the next attempt on "
+                "this node to upload",
+                self.url,
+                self._local,
+            )
+        return self._stored
 
     def __enter__(self) -> Ledger:
         return self
@@ -357,10 +502,100 @@ def parse_lines(text: str, source: str = "<ledger>") -> list[Event]:
     return events
 
 
+@dataclass(frozen=True)
+class LedgerFile:
+    """One ledger file's bytes, reassembled from its segments on object storage.
+
+    ``incomplete``: stored as segments but never sealed (its writer was killed and its spool
+    not recovered, or it is still writing): events after the last one may be missing.
+    """
+
+    name: str
+    url: str
+    data: bytes
+    incomplete: bool = False
+
+
+def _reassemble(url: str, segments: dict[str, bytes]) -> tuple[bytes, bool]:
+    """A file's bytes from its segments, in offset order; overlaps (a segment uploaded again
+    with more bytes) are taken once. Returns the bytes and whether the file is sealed."""
+    parts = []
+    for name, data in segments.items():
+        m = _SEGMENT_NAME.match(name)
+        if m:
+            parts.append((int(m["offset"]), -len(data), bool(m["final"]), data))
+    out, covered, sealed = bytearray(), 0, False
+    for offset, _, final, data in sorted(parts):
+        if offset > covered:
+            log.warning("ledger %s: bytes [%d, %d) are missing", url, covered, offset)
+            covered = offset
+        out += data[covered - offset :]
+        covered = max(covered, offset + len(data))
+        sealed = sealed or final
+    return bytes(out), sealed
+
+
+def read_files(job_url: str) -> list[LedgerFile]:
+    """Every ledger file of a job (every attempt, rank and role), sorted by name: plain
+    files (local disk, and object stores before segments) and segmented ones alike."""
+    root_url = ledger_url(job_url)
+    fs, root = storage.split(root_url)
+    try:
+        paths = storage.with_retries(f"list {root_url}", lambda: fs.find(root))
+    except FileNotFoundError:
+        return []
+    plain: list[str] = []
+    segmented: dict[str, list[str]] = {}
+    for path in paths:
+        parts = path[len(root) :].strip("/").split("/")
+        if len(parts) == 1 and parts[0].endswith(".jsonl"):
+            plain.append(path)
+        elif len(parts) == 2 and parts[0].endswith(".jsonl"):
+            segmented.setdefault(parts[0], []).append(path)
+    wanted = plain + [p for ps in segmented.values() for p in ps]
+    if not wanted:
+        return []
+    blobs: dict[str, bytes] = storage.with_retries(
+        f"read {root_url}", lambda: fs.cat(wanted, on_error="raise")
+    )
+    files = []
+    for path in plain:
+        name = path.rsplit("/", 1)[-1]
+        files.append(LedgerFile(name, storage.join(root_url, name), blobs[path]))
+    for name, ps in segmented.items():
+        url = storage.join(root_url, name)
+        data, sealed = _reassemble(url, {p.rsplit("/", 1)[-1]: blobs[p] for p in ps})
+        files.append(LedgerFile(name, url, data, incomplete=not sealed))
+    return sorted(files, key=lambda f: f.name)
+
+
+def _incomplete_mark(file: LedgerFile, events: list[Event]) -> Event:
+    """The reader's ``ledger_incomplete`` mark for a file, at its last event."""
+    m = _FILE_NAME.match(file.name)
+    last = max(events, key=lambda e: e.end)
+    return Event(
+        kind="mark",
+        name=Mark.LEDGER_INCOMPLETE,
+        start=last.end,
+        end=last.end,
+        attempt=int(m["attempt"]) if m else last.attempt,
+        rank=int(m["rank"]) if m else last.rank,
+        attrs={"file": file.name, "role": m["role"] if m else ""},
+    )
+
+
 def read_events(job_url: str) -> list[Event]:
-    """All events of a job, from every attempt, rank and role, sorted by start time."""
+    """All events of a job, from every attempt, rank and role, sorted by start time.
+
+    A file that may miss its last events (``LedgerFile.incomplete``) adds the reader's
+    ``ledger_incomplete`` mark at its last event, so the ETT calculator can tell time it
+    did not see from time that it saw pass without events.
+    """
     events: list[Event] = []
-    for url in storage.glob(storage.join(ledger_url(job_url), "*.jsonl")):
-        events.extend(parse_lines(storage.read_text(url), source=url))
+    for file in read_files(job_url):
+        found = parse_lines(file.data.decode("utf-8", errors="replace"), source=file.url)
+        events.extend(found)
+        if file.incomplete and found:
+            events.append(_incomplete_mark(file, found))
     events.sort(key=lambda e: (e.start, e.end))
     return events

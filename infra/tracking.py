@@ -42,10 +42,9 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from pydantic import BaseModel, SecretStr
 
-from infra import storage
 from infra.ett import EttReport
 from infra.ett_report import format_table, plot_breakdown, to_markdown
-from infra.ledger import ledger_url
+from infra.ledger import ledger_url, read_files
 from infra.settings import JobConfig
 
 log = logging.getLogger(__name__)
@@ -351,9 +350,9 @@ def log_job_report(
         (ett_dir / "report.md").write_text(to_markdown(report))
         plot_breakdown(report, ett_dir / "breakdown.png")
         client.log_artifacts(run_id, str(ett_dir), artifact_path="ett")
-        files = storage.glob(storage.join(ledger_url(job_url), "*.jsonl"))
-        for url in files:
-            (ledger_dir / url.rsplit("/", 1)[-1]).write_bytes(storage.read_bytes(url))
+        files = read_files(job_url)  # segmented ones reassembled
+        for file in files:
+            (ledger_dir / file.name).write_bytes(file.data)
         if files:
             client.log_artifacts(run_id, str(ledger_dir), artifact_path="ledger")
         else:

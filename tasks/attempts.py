@@ -49,7 +49,7 @@ from typing import Any
 from infra import processes
 from infra.control import Command, ControlDir, Phase, Progress
 from infra.exit_codes import ExitCode, Outcome, name_of, outcome_of
-from infra.ledger import Ledger, Mark, Span
+from infra.ledger import Ledger, Mark, Span, recover_orphaned_spools
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 POLL_S = 0.05  # how often a watched attempt is looked at (a file read and a waitpid)
@@ -430,6 +430,8 @@ class JobRunner:
                 ledger.record_span(Span.SCHEDULING, *self.scheduling)
             code, hung, last = watch(attempt, self.timeouts, lambda p: self._progress(attempt, p))
             ended = time.time()
+            if code:  # its ranks' unsent ledger events wait in their spools on this node
+                recover_orphaned_spools(self.job_url)
             started = attempt.promoted_at or attempt.spawned
             reached = last.started if last is not None else None
             if attempt.promoted_at is None:  # a cold start: launcher and imports until the trainer

@@ -15,7 +15,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 
-from infra.ledger import read_events
+from infra.checkpoints import committed_checkpoints
 from tasks.logs import logger
 
 ANCHOR_EVENT = "ett.checkpoint.anchor.committed"
@@ -26,21 +26,19 @@ RESOURCE_PREFIX = "ett.checkpoint."
 class Anchor:
     uri: str
     step: int
-    committed_at: float
-    attempt: int
+    committed_at: float  # the manifest's creation time (Unix seconds)
 
 
 def find_anchor(job_url: str) -> Anchor | None:
-    """The job's newest ``anchor_committed`` mark (written by rank 0 of the trainer)."""
-    marks = [e for e in read_events(job_url) if e.name == "anchor_committed" and e.rank == 0]
-    if not marks:
-        return None
-    mark = max(marks, key=lambda e: (e.attempt, e.start))
-    uri = mark.attrs.get("url")
-    if not uri:
-        raise ValueError(f"anchor_committed mark in {job_url} has no url: {mark}")
-    step = mark.step if mark.step is not None else int(mark.attrs.get("step", -1))
-    return Anchor(uri=str(uri), step=int(step), committed_at=mark.start, attempt=mark.attempt)
+    """The job's newest committed checkpoint whose manifest says ``anchor``, or None.
+
+    Read from the manifests, the commit itself, not from the ledger: the ledger is
+    accounting, and a ledger that could not be stored must not lose a trained model.
+    """
+    for ckpt in committed_checkpoints(job_url):  # newest first
+        if ckpt.manifest.anchor:
+            return Anchor(uri=ckpt.url, step=ckpt.step, committed_at=ckpt.manifest.created)
+    return None
 
 
 def anchor_resource(job_id: str) -> dict[str, str]:

@@ -5,7 +5,8 @@ resume, injected faults).
 
 It reads job_id, storage.root, train.steps, checkpoint.every_steps and faults from the config,
 and ETT_ATTEMPT / ETT_STANDBY / ETT_CONTROL_DIR from the environment. A "checkpoint" is a file
-holding the last committed step; each attempt resumes from it. Faults: crash -> exit 1,
+holding the last committed step; each attempt resumes from it; the final one also commits an
+anchor manifest (what the flow looks for). Faults: crash -> exit 1,
 sigkill -> SIGKILL itself, sigterm -> commit and exit 83 (preempted), hang -> stop stepping
 while still printing a line every 0.1 s (output is not progress). A real SIGTERM is a
 preemption too (commit at the next step boundary, exit 83).
@@ -29,6 +30,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from infra import storage  # noqa: E402
+from infra.checkpoints import MANIFEST, Manifest, checkpoints_url, step_dir_name  # noqa: E402
 from infra.control import Command, Phase, RankControl  # noqa: E402
 from infra.exit_codes import ExitCode  # noqa: E402
 from infra.ledger import Ledger, Mark, Span  # noqa: E402
@@ -102,7 +104,10 @@ def main(control: RankControl | None) -> int:
             commit(step)
     with ledger.span(Span.SHUTDOWN, step=step):
         commit(step)
-        ledger.mark(Mark.ANCHOR_COMMITTED, step=step, url=f"{job_url}/checkpoints/step-{step}")
+        anchor = storage.join(checkpoints_url(job_url), step_dir_name(step))
+        manifest = Manifest(step=step, world_size=1, config_hash="fake", files={}, anchor=True)
+        storage.write_text(storage.join(anchor, MANIFEST), manifest.to_json())  # the commit
+        ledger.mark(Mark.ANCHOR_COMMITTED, step=step, url=anchor)
     ledger.mark(Mark.JOB_END, step=step)
     ledger.close()
     return ExitCode.SUCCESS

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from infra import storage
 from infra.control import Phase, RankControl
 from infra.exit_codes import ExitCode
-from infra.ledger import Ledger, Mark, Span, next_attempt
+from infra.ledger import Ledger, Mark, Span, next_attempt, recover_orphaned_spools
 from infra.processes import die_with_parent
 from infra.settings import CheckpointMode, ConfigError, EvalMode, JobConfig, load_config
 from trainer.checkpoint.checkpointer import Checkpointer
@@ -140,6 +140,7 @@ def run(config: JobConfig, control: RankControl | None = None) -> int:
     """Train one attempt of the job; returns the process exit code."""
     storage.configure(config.storage)
     rank = int(os.environ.get("RANK", "0"))
+    recover_orphaned_spools(config.job_url)  # ledger events of killed attempts on this node
     attempt = attempt_number(config.job_url, rank)
     ledger = Ledger(config.job_url, attempt=attempt, rank=rank)
     ledger.mark(Mark.ATTEMPT_START, pid=os.getpid(), standby=bool(control and control.standby))
@@ -150,20 +151,26 @@ def run(config: JobConfig, control: RankControl | None = None) -> int:
         if rank == 0:
             control.report(Phase.INIT)
     try:
-        return _train(config, ledger, preemption, control)
+        code = _train(config, ledger, preemption, control)
     except StandbyReleased as exc:
         log.info("%s", exc)
-        return ExitCode.SUCCESS
+        code = ExitCode.SUCCESS
     except CheckpointError as exc:  # corrupt or incompatible: relaunching cannot help
         log.error("cannot resume: %s", exc)
-        return ExitCode.CHECKPOINT_INCOMPATIBLE
+        code = ExitCode.CHECKPOINT_INCOMPATIBLE
     except DataError as exc:
         log.error("bad training data: %s", exc)
-        return ExitCode.BAD_DATA
+        code = ExitCode.BAD_DATA
     finally:
-        ledger.close()
+        ledger_saved = ledger.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+    if not ledger_saved and code == ExitCode.SUCCESS:  # trained, but its accounting is not stored
+        log.error(
+            "the ETT ledger %s was not stored; exiting %d", ledger.url, ExitCode.LEDGER_NOT_SAVED
+        )
+        return ExitCode.LEDGER_NOT_SAVED
+    return code
 
 
 def _train(

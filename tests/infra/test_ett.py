@@ -32,7 +32,7 @@ import uuid
 
 import pytest
 
-from infra import ett
+from infra import ett, storage
 from infra.ett import compute_report, partition, report_for_job
 from infra.ledger import INIT_SPANS, Ledger, ledger_url, read_events
 
@@ -95,6 +95,7 @@ EXPECTED = {
     "recovery": 7.5,
     "eval": 1.0,
     "shutdown": 2.0,
+    "unknown": 0.0,
     "other": 1.0,
 }
 
@@ -354,3 +355,99 @@ def test_save_and_staging_wait_of_one_checkpoint_count_once(tmp_path) -> None:
     assert report.checkpoint_blocking_total_s == pytest.approx(0.2)
     assert report.checkpoint_blocking_mean_s == pytest.approx(0.1)  # 2 checkpoints, not 3
     assert report.checkpoint_interval_s == pytest.approx(2.0)
+
+
+# -- time the ledger cannot see -------------------------------------------------------------
+def _steps(led: Ledger, first: int, t: float, n: int) -> None:
+    for step in range(first, first + n):
+        led.record_span("train_step", T0 + t + step - first, T0 + t + step - first + 1, step=step)
+
+
+def _killed_attempt0(url: str, sealed: bool, tmp_path) -> None:
+    """a0: launcher_init [0,1], steps 1-4 [2,6] (step 2 committed), killed unseen; the
+    orchestrator sees it dead @20 (step 4). a1: launcher_init [20,22], steps 3-6 [25,29],
+    shutdown [29,30]. ``sealed``: a0's trainer file is whole; else its events stop at 6 and
+    the file was never sealed (an unrecovered spool on object storage)."""
+    clock = lambda: T0  # noqa: E731
+    with Ledger(url, attempt=0, role="orchestrator", clock=clock) as o:
+        o.record_span("launcher_init", T0, T0 + 1, reached_trainer=True)
+        o.mark("failure", step=4, t=T0 + 20, cause="sigkill")
+    trainer = Ledger(url if sealed else str(tmp_path / "spool"), attempt=0, clock=clock)
+    trainer.mark("attempt_start", t=T0 + 1)
+    _steps(trainer, 1, 2, 4)
+    trainer.close()
+    if not sealed:  # what the uploader had stored when the process was killed
+        spool = tmp_path / "spool" / "ledger" / "trainer-attempt000-rank000.jsonl"
+        name = "trainer-attempt000-rank000.jsonl/000000000000"
+        storage.write_bytes(f"{ledger_url(url)}/{name}", spool.read_bytes())
+    with Ledger(url, attempt=1, role="orchestrator", clock=clock) as o:
+        o.record_span("launcher_init", T0 + 20, T0 + 22, reached_trainer=True)
+    with Ledger(url, attempt=1, clock=clock) as tr:
+        tr.mark("attempt_start", t=T0 + 22)
+        _steps(tr, 3, 25, 4)
+        tr.record_span("shutdown", T0 + 29, T0 + 30)
+        tr.mark("job_end", t=T0 + 30)
+
+
+def test_lost_events_are_unknown_not_recovery(tmp_path) -> None:
+    """An unsealed trainer file: [6,20] is unknown (the attempt may have trained there);
+    recovery starts when the orchestrator saw it dead. Sealed, the same gap is recovery."""
+    lost = f"memory://ett-{uuid.uuid4().hex}"
+    _killed_attempt0(lost, sealed=False, tmp_path=tmp_path)
+    r = report_for_job(lost)
+    assert r.wall_s == 30
+    assert r.buckets == {
+        "effective_training": 2 + 4,
+        "wasted_training": 2,
+        "checkpoint_blocking": 0,
+        "startup": 2,
+        "recovery": 5,
+        "eval": 0,
+        "shutdown": 1,
+        "unknown": 14,
+        "other": 0,
+    }
+    (f,) = r.failures
+    assert (f.last_step, f.died_at, f.detected_at, f.resumed_at) == (4, 20, 20, 25)
+    assert f.time_to_recover_s == 5 == r.time_to_recover_total_s
+    assert r.idleness_pct == pytest.approx(100 * (14 + 2 + 1) / 30)
+    assert any(s == (6, 20, "unknown") for s in r.segments)
+
+    whole = f"memory://ett-{uuid.uuid4().hex}"
+    _killed_attempt0(whole, sealed=True, tmp_path=tmp_path / "b")
+    r = report_for_job(whole)
+    assert r.buckets["unknown"] == 0 and r.buckets["recovery"] == 19
+    assert (r.failures[0].died_at, r.failures[0].time_to_recover_s) == (6, 19)
+
+
+def test_an_attempt_without_a_trainer_ledger_is_unknown(tmp_path) -> None:
+    """a0 crashes at step 5 (seen); a1 has no trainer file at all, but the orchestrator saw
+    it reach step 7 before it died @20; a2 resumes at step 6. a1's [10,20] is unknown, and
+    neither a0's recovery nor a1's startup claims it."""
+    url = str(tmp_path / "job")
+    clock = lambda: T0  # noqa: E731
+    with Ledger(url, attempt=0, role="orchestrator", clock=clock) as o:
+        o.record_span("launcher_init", T0, T0 + 1, reached_trainer=True)
+        o.mark("failure", step=5, t=T0 + 8, cause="crash")
+    with Ledger(url, attempt=0, clock=clock) as tr:
+        tr.mark("attempt_start", t=T0 + 1)
+        _steps(tr, 1, 2, 5)
+    with Ledger(url, attempt=1, role="orchestrator", clock=clock) as o:
+        o.record_span("launcher_init", T0 + 10, T0 + 20, reached_trainer=False)
+        o.mark("failure", step=7, t=T0 + 20, cause="sigkill")
+    with Ledger(url, attempt=2, role="orchestrator", clock=clock) as o:
+        o.record_span("launcher_init", T0 + 21, T0 + 22, reached_trainer=True)
+    with Ledger(url, attempt=2, clock=clock) as tr:
+        tr.mark("attempt_start", t=T0 + 22)
+        _steps(tr, 6, 23, 3)
+        tr.record_span("shutdown", T0 + 26, T0 + 27)
+        tr.mark("job_end", t=T0 + 27)
+    r = report_for_job(url)
+    assert r.buckets["unknown"] == 10 and r.buckets["recovery"] == 3 + 3
+    assert r.buckets["startup"] == 2 and r.buckets["effective_training"] == 5 + 3
+    assert math.fsum(r.buckets.values()) == r.wall_s == 27
+    assert [(f.attempt, f.last_step, f.died_at, f.time_to_recover_s) for f in r.failures] == [
+        (0, 5, 7, 3),
+        (1, 7, 20, 3),
+    ]
+    assert r.time_to_recover_total_s == r.buckets["recovery"]

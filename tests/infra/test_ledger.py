@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
 from infra import storage
-from infra.ledger import Ledger, ledger_url, parse_lines, read_events
+from infra.ledger import (
+    Ledger,
+    ledger_url,
+    parse_lines,
+    read_events,
+    read_files,
+    recover_orphaned_spools,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,12 +47,12 @@ def test_span_and_mark_roundtrip_with_fake_clock(tmp_path) -> None:
     assert (span.kind, span.name, span.start, span.end, span.step) == (
         "span",
         "train_step",
+        100.0,
         101.0,
-        102.0,
         7,
     )
     assert span.attrs == {"loss": 0.5} and span.attempt == 2 and span.duration == 1.0
-    assert (mark.kind, mark.start, mark.end, mark.step) == ("mark", 103.0, 103.0, 7)
+    assert (mark.kind, mark.start, mark.end, mark.step) == ("mark", 102.0, 102.0, 7)
     files = storage.listdir(ledger_url(url))
     assert files == ["trainer-attempt002-rank000.jsonl"]
 
@@ -107,33 +117,107 @@ def test_torn_and_garbage_lines_are_skipped(tmp_path) -> None:
     assert event.name == "job_end" and event.start == 5.0
 
 
-def test_memory_url_uploads_on_close_and_periodically() -> None:
+def _segments(led: Ledger) -> list[str]:
+    return storage.listdir(led.url)
+
+
+def test_object_storage_gets_appended_segments_not_rewrites() -> None:
+    """Each upload is one small object holding only the lines appended since the last one;
+    the reader reassembles them; close seals the file and deletes the local spool."""
     url = f"memory://ledger-{uuid.uuid4().hex}"
-    clock = _ticking(step=6.0)
-    led = Ledger(url, rank=1, role="orchestrator", clock=clock, sync_every_s=10.0)
-    led.record_span("scheduling", 0.0, 1.0)  # clock 106: 6 s since open, not due
-    assert read_events(url) == []
-    led.record_span("launcher_init", 1.0, 2.0)  # clock 112: due -> uploaded
-    assert [e.name for e in read_events(url)] == ["scheduling", "launcher_init"]
+    led = Ledger(url, rank=1, role="orchestrator", clock=_ticking(), sync_every_s=3600)
+    led.record_span("scheduling", 0.0, 1.0)
+    assert led.sync()
+    led.record_span("launcher_init", 1.0, 2.0)
+    assert led.sync() and led.sync()  # nothing new: no empty segment
+    first, second = _segments(led)
+    assert (first, second) == (
+        "000000000000",
+        f"{len(storage.read_bytes(f'{led.url}/{first}')):012d}",
+    )
+    assert [e.name for e in parse_lines(storage.read_text(f"{led.url}/{first}"))] == ["scheduling"]
+    assert [e.name for e in parse_lines(storage.read_text(f"{led.url}/{second}"))] == [
+        "launcher_init"
+    ]
+    events = read_events(url)  # not sealed yet: the reader says the file may go on
+    assert [e.name for e in events] == ["scheduling", "launcher_init", "ledger_incomplete"]
+    assert events[-1].attrs == {
+        "file": "orchestrator-attempt000-rank001.jsonl",
+        "role": "orchestrator",
+    }
+    assert (events[-1].start, events[-1].rank) == (2.0, 1)
     led.mark("failure", t=3.0, cause="hang", step=9)
-    led.close()
+    assert led.close() is True and led.close() is True
+    assert _segments(led)[-1].endswith(".final") and len(_segments(led)) == 3
     events = read_events(url)
+    assert [e.name for e in events] == ["scheduling", "launcher_init", "failure"]
     assert events[-1].attrs == {"cause": "hang"} and events[-1].rank == 1
     assert storage.listdir(ledger_url(url)) == ["orchestrator-attempt000-rank001.jsonl"]
     assert not Path(led._local).parent.exists(), "the local spool outlived its upload"
 
 
-def test_a_failed_final_upload_keeps_the_spooled_events(monkeypatch) -> None:
-    led = Ledger(f"memory://ledger-{uuid.uuid4().hex}", clock=_ticking())
+def test_uploads_run_on_the_uploader_thread_not_the_writer(monkeypatch) -> None:
+    writers: list[str] = []
+    real = storage.write_bytes
+
+    def recording(url: str, data: bytes) -> None:
+        writers.append(threading.current_thread().name)
+        real(url, data)
+
+    monkeypatch.setattr(storage, "write_bytes", recording)
+    url = f"memory://ledger-{uuid.uuid4().hex}"
+    led = Ledger(url, clock=_ticking(), sync_every_s=0.05)
+    for step in range(1, 4):
+        led.record_span("train_step", float(step), step + 0.5, step=step)
+    deadline = time.monotonic() + 30
+    while len([e for e in read_events(url) if e.name == "train_step"]) < 3:
+        assert time.monotonic() < deadline, "the uploader never stored the events"
+        time.sleep(0.05)
+    assert led.close()
+    assert writers and threading.current_thread().name not in writers, writers
+    assert set(writers) == {"ledger-trainer-attempt000-rank000.jsonl"}
+
+
+def test_reader_takes_overlapping_segments_once_and_skips_a_torn_tail() -> None:
+    """A segment stored again with more bytes (a retry that had in fact succeeded) and a
+    recovered tail ending in a torn line: every event once, in order, the torn one skipped."""
+    url = f"memory://ledger-{uuid.uuid4().hex}"
+    lines = [
+        f'{{"v":1,"kind":"span","name":"train_step","start":{s}.0,"end":{s}.5,"attempt":2,'
+        f'"rank":0,"step":{s}}}\n'.encode()
+        for s in range(1, 5)
+    ]
+    folder = f"{ledger_url(url)}/trainer-attempt002-rank000.jsonl"
+    storage.write_bytes(f"{folder}/000000000000", lines[0])
+    storage.write_bytes(f"{folder}/{0:012d}.final", lines[0] + lines[1] + b'{"v":1,"ki')
+    storage.write_bytes(f"{folder}/{len(lines[0]):012d}", lines[1])
+    (file,) = read_files(url)
+    assert not file.incomplete and file.data == lines[0] + lines[1] + b'{"v":1,"ki'
+    assert [e.step for e in read_events(url)] == [1, 2]
+    # Unsealed: the reader's mark at the last event, with the file's attempt, rank and role.
+    other = f"{ledger_url(url)}/trainer-attempt003-rank000.jsonl"
+    storage.write_bytes(f"{other}/000000000000", lines[2] + lines[3])
+    mark = read_events(url)[-1]
+    assert (mark.name, mark.start, mark.attempt, mark.attrs["role"]) == (
+        "ledger_incomplete",
+        4.5,
+        3,
+        "trainer",
+    )
+
+
+def test_a_failed_final_upload_is_reported_and_keeps_the_spooled_events(monkeypatch) -> None:
+    led = Ledger(f"memory://ledger-{uuid.uuid4().hex}", clock=_ticking(), sync_every_s=3600)
     led.mark("failure", cause="sigkill")
 
     def outage(*args: object) -> None:
         raise OSError("storage unreachable")
 
-    monkeypatch.setattr(storage, "put_file", outage)
-    led.close()
+    monkeypatch.setattr(storage, "write_bytes", outage)
+    assert led.close() is False and led.close() is False
     kept = Path(led._local).read_text()
     assert '"cause":"sigkill"' in kept
+    shutil.rmtree(Path(led._local).parent)  # no later attempt of this job will take it
 
 
 def test_events_from_all_files_are_merged_in_time_order(tmp_path) -> None:
@@ -172,3 +256,56 @@ def test_events_survive_sigkill(tmp_path) -> None:
     path = tmp_path / "job" / "ledger" / "trainer-attempt000-rank000.jsonl"
     lines = path.read_text().splitlines()
     assert all(json.loads(line)["name"] == "train_step" for line in lines[: n - 1])
+
+
+KILLED_WRITER = textwrap.dedent(
+    """
+    import os, signal, sys
+    import infra.ledger
+    from infra.ledger import Ledger
+    infra.ledger.FIRST_SYNC_S = 3600.0  # only the explicit sync below uploads
+    for job in sys.argv[1:]:
+        led = Ledger(job, sync_every_s=3600.0)
+        for step in range(1, 4):
+            led.record_span("train_step", float(step), step + 0.5, step=step)
+        assert led.sync()
+        for step in range(4, 8):
+            led.record_span("train_step", float(step), step + 0.5, step=step)
+        os.write(led._fd, b'{"v":1,"kind":"span","name":"train_st')  # killed mid-line
+        print(os.path.dirname(led._local), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_a_killed_writers_spool_is_recovered_by_the_next_process(s3_server: str) -> None:
+    """On S3: a process SIGKILLed after one upload leaves its later events in its spool; the
+    next process of the same job on the node uploads and seals them, leaves a live writer's
+    spool and another job's spool alone, and deletes the spool it completed."""
+    storage.configure(None)
+    job, other = (f"s3://ett/{uuid.uuid4().hex[:12]}/jobs/led" for _ in range(2))
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_WRITER, job, other],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -9, proc.stderr
+    spool, other_spool = (Path(p) for p in proc.stdout.split())
+    before = read_events(job)
+    assert [e.step for e in before if e.name == "train_step"] == [1, 2, 3]
+    assert before[-1].name == "ledger_incomplete" and before[-1].start == 3.5
+
+    with Ledger(job, attempt=1, clock=_ticking(), sync_every_s=3600.0) as live:
+        live.mark("attempt_start")
+        url = f"{ledger_url(job)}/trainer-attempt000-rank000.jsonl"
+        assert recover_orphaned_spools(job) == [url]
+        assert Path(live._local).exists(), "a live writer's spool was touched"
+        assert not spool.exists() and other_spool.exists()
+        assert recover_orphaned_spools(job) == []  # done once
+
+    after = [e for e in read_events(job) if e.attempt == 0]
+    assert [e.step for e in after] == list(range(1, 8))  # once each, the torn line skipped
+    assert not any(e.name == "ledger_incomplete" for e in read_events(job))
+    assert recover_orphaned_spools(other) and not other_spool.exists()

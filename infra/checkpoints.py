@@ -1,0 +1,124 @@
+"""Checkpoint layout and the manifest that commits a checkpoint: the part every layer reads.
+
+    <job_url>/checkpoints/step-000000120/
+        .metadata, __0_0.distcp, ...   DCP files (tensors only: loaded with weights_only)
+        trainer_state.rank000.json     step, data-loader position (one file per rank)
+        config.yaml                    the job config, so a publisher can rebuild the model
+        manifest.json                  written LAST: the checkpoint exists once this exists
+
+A reader only ever looks at folders that have a manifest, so a crash at any moment before
+the manifest (staging, mid-upload) leaves the previous committed checkpoint as the latest.
+The manifest lists every file with its size and SHA-256, checked before loading
+(trainer/checkpoint/manifest.py), and says whether the checkpoint is the job's anchor.
+
+Here, not in the trainer, because the orchestrator finds the anchor from these manifests
+(tasks/events.py) and must not import the trainer or torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from typing import Any
+
+from infra import storage
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names it and says why."""
+
+
+def checkpoints_url(job_url: str) -> str:
+    return storage.join(job_url, "checkpoints")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries that wrote a checkpoint, from the installed packages (read
+    without importing them: a process that only reads manifests never loads torch)."""
+    versions = {}
+    for name in ("torch", "torchrec"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:  # the publisher may run without TorchRec
+            continue
+    return versions
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    world_size: int
+    config_hash: str
+    files: dict[str, FileEntry]
+    anchor: bool = False
+    job_id: str = ""
+    created: float = field(default_factory=time.time)
+    versions: dict[str, str] = field(default_factory=library_versions)
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, source: str) -> Manifest:
+        try:
+            data: dict[str, Any] = json.loads(text)
+            files = {name: FileEntry(**entry) for name, entry in data.pop("files").items()}
+            return cls(files=files, **data)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"checkpoint manifest {source} is unreadable: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class CommittedCheckpoint:
+    url: str
+    manifest: Manifest
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+
+def read_manifest(ckpt_url: str) -> Manifest:
+    url = storage.join(ckpt_url, MANIFEST)
+    try:
+        text = storage.read_text(url)
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{ckpt_url} is not a committed checkpoint (no {MANIFEST})") from exc
+    return Manifest.from_json(text, url)
+
+
+def committed_checkpoints(job_url: str) -> list[CommittedCheckpoint]:
+    """Committed checkpoints of a job, newest first; folders without a manifest are skipped
+    and unreadable manifests are logged and skipped."""
+    root = checkpoints_url(job_url)
+    found = []
+    for name in storage.listdir(root):
+        if not name.startswith("step-"):
+            continue
+        url = storage.join(root, name)
+        if not storage.exists(storage.join(url, MANIFEST)):
+            continue
+        try:
+            found.append(CommittedCheckpoint(url, read_manifest(url)))
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint: %s", exc)
+    return sorted(found, key=lambda c: c.step, reverse=True)

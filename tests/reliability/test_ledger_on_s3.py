@@ -1,0 +1,279 @@
+"""The ETT ledger on object storage, and the anchor without it (faults from outside).
+
+- A rank SIGKILLed mid-training on S3 (moto) gives the same report as the same job on
+  ``file://``: last step, died-at and wasted time. The killed process's unsent events are in
+  its local spool; the next attempt on the node uploads them.
+- A ledger that cannot be stored at the end (S3 cut by a proxy) fails the attempt with
+  LEDGER_NOT_SAVED instead of passing for a success; its events wait in the spool and are
+  uploaded once S3 is back.
+- The flow finds the anchor from the committed manifests, with no ledger at all.
+
+Real trainer under torchrun, the orchestrator's attempt loop, real sockets; nothing mocked.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from infra import storage
+from infra.checkpoints import (
+    MANIFEST,
+    Manifest,
+    checkpoints_url,
+    committed_checkpoints,
+    step_dir_name,
+)
+from infra.control import Progress
+from infra.ett import EttReport, report_for_job
+from infra.exit_codes import ExitCode, Outcome
+from infra.ledger import read_events, read_files, recover_orphaned_spools
+from infra.settings import JobConfig, dump_config
+from tasks.attempts import JobRunner, LaunchSpec, RetryPolicy
+from tasks.events import Anchor, find_anchor
+from tests.factories import ROOT, tiny_config, write_dataset
+from tests.tcp_proxy import TcpProxy
+
+STEPS, EVERY = 40, 10
+LAST_STEP = 37  # the rank is killed after this step: steps 31-37 are redone
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def data_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    config = tiny_config(tmp_path_factory.mktemp("ledger-data"))
+    write_dataset(config)
+    return config.data.url
+
+
+def _config(tmp_path: Path, data_url: str, storage_section: dict[str, Any], **sections: Any):
+    return tiny_config(
+        tmp_path,
+        job_id="ledger-on-s3",
+        storage=storage_section,
+        data={"url": data_url},
+        train={"steps": STEPS, "eval_every": 0, "eval_rows": 256, "log_every": 1},
+        **sections,
+    )
+
+
+def _trainer_pids(config_path: str) -> list[int]:
+    """The processes of this job's attempts: torchrun and its ranks (found by their argv)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if config_path.encode() in argv and b"trainer" in argv:
+            found.append(int(proc.name))
+    return found
+
+
+def _rank_pid(config_path: str) -> int:
+    """The one rank of the attempt: forked from the launcher, so the child of another."""
+    pids = _trainer_pids(config_path)
+    ranks = [pid for pid in pids if _parent(pid) in pids]
+    assert len(ranks) == 1, ranks
+    return ranks[0]
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _run_job(
+    config: JobConfig,
+    tmp_path: Path,
+    on_progress: Callable[[Progress], None],
+    max_failures: int = 1,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """The orchestrator's attempt loop over the real trainer (no standby: this is about the
+    ledger); ``on_progress`` sees every attempt's progress. Every process of the job is
+    gone when it returns."""
+    path = tmp_path / f"{config.job_id}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dump_config(config, path)
+    spec = LaunchSpec(str(path), env={**ENV, **(env or {})})
+    runner = JobRunner(
+        config.job_url,
+        spec,
+        RetryPolicy(max_failures=max_failures, backoff_s=0),
+        standby=False,
+        on_progress=on_progress,
+    )
+    try:
+        outcome = runner.run()
+    finally:
+        assert _trainer_pids(str(path)) == [], "a trainer process outlived its job"
+    return list(outcome.attempts)
+
+
+def _kill_after(config: JobConfig, tmp_path: Path, seen: dict[str, float], errors: list[str]):
+    """attempt 0's progress callback: after step LAST_STEP (the rank then hangs at the next
+    step, so it makes no more), wait until the step-30 checkpoint is committed (so both
+    runs resume from it) and SIGKILL the rank from outside."""
+    path = str(tmp_path / f"{config.job_id}.yaml")
+
+    def on_step(progress: Progress) -> None:
+        if progress.step != LAST_STEP or "line" in seen:
+            return
+        seen["line"] = time.time()
+        try:
+            deadline = time.monotonic() + 120
+            while not any(c.step == 30 for c in committed_checkpoints(config.job_url)):
+                assert time.monotonic() < deadline, "step 30 never committed"
+                time.sleep(0.05)
+            pid = _rank_pid(path)
+            seen["kill"] = time.time()
+            os.kill(pid, signal.SIGKILL)
+        except Exception as exc:  # noqa: BLE001 - the watcher swallows callback errors
+            errors.append(repr(exc))
+
+    return on_step
+
+
+def _killed_job(tmp_path: Path, data_url: str, storage_section: dict[str, Any]) -> tuple:
+    config = _config(
+        tmp_path,
+        data_url,
+        storage_section,
+        checkpoint={"mode": "async_staged", "every_steps": EVERY, "keep_latest_k": 3},
+        faults=[{"kind": "hang", "step": LAST_STEP + 1, "attempt": 0}],
+    )
+    seen: dict[str, float] = {}
+    errors: list[str] = []
+    attempts = _run_job(config, tmp_path, _kill_after(config, tmp_path, seen, errors))
+    assert not errors, errors
+    assert [a.outcome for a in attempts] == [Outcome.SIGKILL, Outcome.SUCCESS], attempts
+    return config, report_for_job(config.job_url), (seen["line"], seen["kill"])
+
+
+def _from_first_step(r: EttReport) -> float:
+    """Attempt 0's death, in seconds after its first step began."""
+    return r.failures[0].died_at - (r.time_to_start_s or 0.0)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_on_s3_is_reported_as_on_local_disk(
+    tmp_path: Path, data_url: str, s3_server: str
+) -> None:
+    storage.configure(None)  # this process reads S3 through s3_server's environment
+    _, local_report, local_seen = _killed_job(
+        tmp_path / "file", data_url, {"root": f"file://{tmp_path}/file/store"}
+    )
+    s3_root = {"root": f"s3://ett/{uuid.uuid4().hex[:12]}", "s3_endpoint_url": s3_server}
+    s3, s3_report, s3_seen = _killed_job(tmp_path / "s3", data_url, s3_root)
+
+    for r, seen in ((local_report, local_seen), (s3_report, s3_seen)):
+        (f,) = r.failures
+        assert (f.attempt, f.cause, f.last_step) == (0, "sigkill", LAST_STEP)
+        # Its last event: step 37's end, or the commit of step 30 while it hung after it.
+        died = r.start_time + f.died_at
+        assert seen[0] - 2.0 <= died <= seen[1], (died, seen)
+        assert r.num_step_executions - r.num_steps == LAST_STEP - 30  # steps 31-37 redone
+        assert r.buckets["wasted_training"] == pytest.approx(r.observed_unsaved_s)
+        assert r.buckets["unknown"] == 0 and r.finished
+    # The same job, two runs on a shared machine: same steps, times within a tolerance.
+    assert s3_report.failures[0].last_step == local_report.failures[0].last_step
+    assert _from_first_step(s3_report) == pytest.approx(
+        _from_first_step(local_report), rel=0.5, abs=2.0
+    )
+    assert s3_report.observed_unsaved_s == pytest.approx(
+        local_report.observed_unsaved_s, rel=0.5, abs=0.5
+    )
+    # The killed attempt's file was completed from its spool by the next attempt.
+    (killed,) = [f for f in read_files(s3.job_url) if f.name == "trainer-attempt000-rank000.jsonl"]
+    assert not killed.incomplete
+    assert recover_orphaned_spools(s3.job_url) == []  # nothing left behind
+    for name, r in (("file", local_report), ("s3", s3_report)):
+        f = r.failures[0]
+        print(
+            f"{name}: last step {f.last_step}, died at {f.died_at:.2f} s "
+            f"({_from_first_step(r):.2f} s after step 1), wasted {r.observed_unsaved_s:.3f} s"
+        )
+
+
+@pytest.mark.slow
+def test_a_ledger_that_cannot_be_stored_fails_the_attempt(
+    tmp_path: Path, data_url: str, s3_server: str
+) -> None:
+    """S3 is cut (a TCP proxy resets every connection) after step 10 and stays down. With
+    checkpoints off, training needs no storage and finishes; only the ledger cannot be
+    stored at the end: the attempt exits LEDGER_NOT_SAVED (a retried failure), not 0.
+    Nothing is lost: once S3 is back, the spool it left is uploaded."""
+    storage.configure(None)
+    port = urllib.parse.urlsplit(s3_server).port
+    assert port is not None
+    proxy = TcpProxy(("127.0.0.1", port)).start()
+    try:
+        config = _config(
+            tmp_path,
+            data_url,
+            {
+                "root": f"s3://ett/{uuid.uuid4().hex[:12]}",
+                "s3_endpoint_url": proxy.url,
+                "retries": 1,
+                "retry_backoff_s": 0.1,
+            },
+            checkpoint={"mode": "off"},
+        )
+
+        def cut(progress: Progress) -> None:
+            if progress.step == 10:
+                proxy.go_down()
+
+        env = {"AWS_ENDPOINT_URL_S3": proxy.url, "AWS_MAX_ATTEMPTS": "1"}
+        (report,) = _run_job(config, tmp_path, cut, max_failures=0, env=env)
+        assert proxy.refused > 0, "the outage refused no connection"
+    finally:
+        proxy.close()
+    assert (report.outcome, report.exit_code) == (Outcome.CRASH, ExitCode.LEDGER_NOT_SAVED)
+
+    events = [e for e in read_events(config.job_url) if e.name != "ledger_incomplete"]
+    assert not any(e.name == "job_end" for e in events)  # cut off with S3
+    (url,) = recover_orphaned_spools(config.job_url)  # S3 back (direct): the spool goes up
+    events = [e for e in read_events(config.job_url) if e.attempt == 0 and e.rank == 0]
+    steps = [e.step for e in events if e.name == "train_step"]
+    assert steps == list(range(1, STEPS + 1)) and any(e.name == "job_end" for e in events)
+    assert url.endswith("trainer-attempt000-rank000.jsonl")
+
+
+def test_the_anchor_comes_from_the_committed_manifests_not_the_ledger(tmp_path: Path) -> None:
+    """No ledger at all: the newest committed checkpoint marked ``anchor`` is the anchor; a
+    newer plain one or a folder with no manifest is not. Reading it imports no trainer."""
+    job = f"file://{tmp_path}/jobs/a"
+
+    def commit(step: int, anchor: bool, manifest: bool = True) -> str:
+        url = storage.join(checkpoints_url(job), step_dir_name(step))
+        storage.write_bytes(storage.join(url, "__0_0.distcp"), b"w")
+        if manifest:
+            m = Manifest(step=step, world_size=1, config_hash="h", files={}, anchor=anchor)
+            storage.write_text(storage.join(url, MANIFEST), m.to_json())
+        return url
+
+    assert find_anchor(job) is None
+    commit(10, anchor=True)
+    anchor_url = commit(20, anchor=True)
+    commit(30, anchor=False)  # a continuation's periodic checkpoint
+    commit(40, anchor=True, manifest=False)  # never committed
+    found = find_anchor(job)
+    assert isinstance(found, Anchor) and (found.uri, found.step) == (anchor_url, 20)
+    assert not storage.exists(storage.join(job, "ledger"))
+    code = (
+        "import sys, tasks.events\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('trainer', 'torch'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
