@@ -6,31 +6,44 @@ save; async: staging only), then the upload runs for ``upload_s`` in the backgro
 checkpoint is committed when it ends. At most one upload is in flight, so when the interval is
 shorter than the upload the next checkpoint first waits for the previous one (counted as
 blocking). Eval and gaps between steps cost ``loop_overhead`` wall seconds per progress second.
-A failure loses the progress since the last *committed* checkpoint; the job then spends
-``restart_s`` (detection, scheduling, init, restore) before training again. The first attempt
-spends ``startup_s`` before its first step and the job ``shutdown_s`` after its last.
+A failure loses the progress since the last *committed* checkpoint, except a preemption,
+which saves at the step boundary before it exits and loses nothing; the job then spends its
+restart cost (detection, scheduling, init, restore; per failure kind when measured) before
+training again. The first attempt spends ``startup_s`` before its first step and the job
+``shutdown_s`` after its last (the final anchor save included).
 
 ``replay`` is deterministic for a given failure schedule; ``what_if`` replays an observed job's
-own failures under changed parameters; ``monte_carlo`` draws exponential schedules for an MTBF;
-``steady_state_waste`` is the long-run wasted fraction (a vectorised renewal estimate: every
-restart from a committed checkpoint starts afresh), used to brute-force the best interval.
+own failures under changed parameters and ``validate`` sets that replay beside what was
+measured; ``monte_carlo`` draws exponential schedules for an MTBF; ``steady_state_waste`` is the
+long-run wasted fraction (a vectorised renewal estimate: every restart from a committed
+checkpoint starts afresh), used to brute-force the best interval. Projecting a job to many GPUs
+is ``infra/projection.py``'s job.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from infra.ett import EttReport
+from infra.exit_codes import Outcome
+
+# A replay that sees this many failures makes no progress (restarts outlast the MTBF).
+MAX_FAILURES = 200_000
 
 
 @dataclass(frozen=True)
 class JobModel:
-    """The parameters of one job; ``with_changes`` makes the what-if variant."""
+    """The parameters of one job; ``with_changes`` makes the what-if variant.
+
+    ``interval_s`` is training progress between checkpoints; ``restart_s`` is the restart cost
+    of a failure of unknown kind, ``restart_by_cause`` the measured one per failure cause.
+    """
 
     work_s: float
     interval_s: float
@@ -41,34 +54,91 @@ class JobModel:
     shutdown_s: float = 0.0
     loop_overhead: float = 0.0
     step_time_s: float | None = None
+    restart_by_cause: Mapping[str, float] = field(default_factory=dict)
 
-    def with_changes(self, **changes: float) -> JobModel:
+    def with_changes(self, **changes: Any) -> JobModel:
         return dataclasses.replace(self, **changes)
+
+    def restart_for(self, cause: str) -> float:
+        return self.restart_by_cause.get(cause, self.restart_s)
 
     @classmethod
     def from_report(cls, report: EttReport) -> JobModel:
-        """Calibrate from an observed job: its surviving work, interval, costs and overheads."""
+        """Calibrate from an observed job: its costs per event, not its totals.
+
+        The step time is the mean kept step (effective training / steps), so the modelled
+        checkpoints fall where the real ones did. Eval and gaps are spread over every trained
+        second, redone ones included. The final anchor save is nested in the shutdown span but
+        counted as blocking, so one blocking is added to the shutdown.
+        """
         b = report.buckets
         work = b["effective_training"]
-        block = report.checkpoint_blocking_mean_s or 0.0
-        if report.checkpoint_interval_steps and report.step_time_median_s:
-            interval = report.checkpoint_interval_steps * report.step_time_median_s
+        trained = work + b["wasted_training"]  # redone steps have their gaps and evals too
+        overhead = (b["eval"] + b["other"]) / trained if trained > 0 else 0.0
+        measured_block = report.checkpoint_blocking_mean_s or 0.0
+        step = work / report.num_steps if report.num_steps else report.step_time_median_s
+        if report.checkpoint_interval_steps and step:
+            interval = report.checkpoint_interval_steps * step
         elif report.checkpoint_interval_s:
-            interval = max(report.checkpoint_interval_s - block, 1e-9)
+            interval = max(report.checkpoint_interval_s - measured_block, 1e-9)
         else:
             interval = 2 * work + 1.0  # never checkpointed: no checkpoint ever fires
-        recovered = [f.time_to_recover_s for f in report.failures if f.resumed_at is not None]
+        upload = max(report.commit_latency_s or 0.0, 0.0)
+        block = _blocking_without_waits(report, max(0.0, upload - interval * (1 + overhead)))
+        restart_s, by_cause = _restart_costs(report)
         return cls(
             work_s=work,
             interval_s=interval,
             blocking_s=block,
-            upload_s=report.commit_latency_s or 0.0,
+            upload_s=upload,
             startup_s=report.time_to_start_s or 0.0,
-            restart_s=float(np.mean(recovered)) if recovered else 0.0,
-            shutdown_s=b["shutdown"],
-            loop_overhead=(b["eval"] + b["other"]) / work if work > 0 else 0.0,
-            step_time_s=report.step_time_median_s,
+            restart_s=restart_s,
+            shutdown_s=b["shutdown"] + (block if report.num_checkpoints_committed else 0.0),
+            loop_overhead=overhead,
+            step_time_s=step,
+            restart_by_cause=by_cause,
         )
+
+
+def _blocking_without_waits(report: EttReport, wait_s: float) -> float:
+    """Blocking per checkpoint, without the waits for the previous upload.
+
+    When uploads outlast the interval, every checkpoint but an attempt's first waits
+    ``wait_s`` inside its blocking span; the model adds that wait itself.
+    """
+    mean = report.checkpoint_blocking_mean_s or 0.0
+    if wait_s <= 0 or mean <= 0:
+        return mean
+    count = round(report.checkpoint_blocking_total_s / mean)
+    waited = max(count - len(report.attempts), 0)
+    own = (report.checkpoint_blocking_total_s - waited * wait_s) / count
+    return own if own > 0 else mean
+
+
+def _restart_costs(report: EttReport) -> tuple[float, dict[str, float]]:
+    """Time to Recover averaged per cause, and over the unplanned failures (preemptions only
+    when there is nothing else): the cost of a failure whose kind is not given."""
+    by_cause: dict[str, list[float]] = {}
+    for f in report.failures:
+        if f.resumed_at is not None:
+            by_cause.setdefault(f.cause, []).append(f.time_to_recover_s)
+    unplanned = [t for c, ts in by_cause.items() if c != Outcome.PREEMPTED for t in ts]
+    recovered = unplanned or [t for ts in by_cause.values() for t in ts]
+    mean = float(np.mean(recovered)) if recovered else 0.0
+    return mean, {c: float(np.mean(ts)) for c, ts in sorted(by_cause.items())}
+
+
+@dataclass(frozen=True)
+class FailureEvent:
+    """One failure in a replay: when, what it costs to restart, whether progress survives."""
+
+    at_s: float
+    restart_s: float | None = None  # None: the model's restart_s
+    keeps_progress: bool = False  # a preemption saves at the step boundary before exiting
+
+    @classmethod
+    def of_cause(cls, at_s: float, cause: str, model: JobModel) -> FailureEvent:
+        return cls(at_s, model.restart_for(cause), keeps_progress=cause == Outcome.PREEMPTED)
 
 
 @dataclass(frozen=True)
@@ -136,21 +206,44 @@ def time_to_finish(remaining: float, tau: float, c: float, u: float = 0.0, q: fl
     return remaining * (1.0 + q) + k * c + max(0, k - 1) * w
 
 
-def replay(model: JobModel, failure_times: Iterable[float]) -> SimResult:
-    """Run the job once; failures strike at the given wall times (seconds from job start)."""
+_NEVER = FailureEvent(math.inf)  # what comes after the last failure
+
+
+def _events(failures: Iterable[float | FailureEvent]) -> Iterator[FailureEvent]:
+    """Failures in time order (a lazy iterator is taken to be ordered already)."""
+    items = failures if isinstance(failures, Iterator) else iter(sorted(failures, key=_at))
+    for f in items:
+        yield f if isinstance(f, FailureEvent) else FailureEvent(float(f))
+
+
+def _at(f: float | FailureEvent) -> float:
+    return f.at_s if isinstance(f, FailureEvent) else float(f)
+
+
+def replay(model: JobModel, failures: Iterable[float | FailureEvent]) -> SimResult:
+    """Run the job once; failures strike at the given wall times (seconds from job start).
+
+    Plain times are failures that lose the unsaved work and cost ``model.restart_s``.
+    """
     m = model
-    fails = failure_times if isinstance(failure_times, Iterator) else iter(sorted(failure_times))
+    events = _events(failures)
     t = progress = wasted = blocking = recovery = startup = 0.0
-    overhead, first, failures = m.startup_s, True, 0
+    overhead, first, count = m.startup_s, True, 0
     while True:
-        nxt = next((f for f in fails if f >= t), math.inf)
-        seg = nxt - t
+        nxt = next((f for f in events if f.at_s >= t), _NEVER)
+        seg = nxt.at_s - t
+        if count > MAX_FAILURES:
+            raise ValueError(
+                f"the job makes no progress: {count} failures before it finished "
+                f"(restart {m.restart_s:.0f} s, interval {m.interval_s:.0f} s)"
+            )
         if seg < overhead:  # failed again before training resumed
             if first:
                 startup += seg
             else:
                 recovery += seg
-            t, first, overhead, failures = nxt, False, m.restart_s, failures + 1
+            t, first, count = nxt.at_s, False, count + 1
+            overhead = _restart(m, nxt)
             continue
         if first:
             startup += overhead
@@ -162,14 +255,21 @@ def replay(model: JobModel, failure_times: Iterable[float]) -> SimResult:
             blocking += need - remaining * (1.0 + m.loop_overhead)
             t += overhead + need
             break
-        done, train, block = segment(
+        committed, train, block = segment(
             seg - overhead, m.interval_s, m.blocking_s, m.upload_s, m.loop_overhead
         )
-        done = min(float(done), remaining)
-        wasted += float(train) - done * (1.0 + m.loop_overhead)
-        blocking += float(block)
+        train, block = float(train), float(block)
+        if nxt.keeps_progress:  # the exit save blocks, then everything trained is kept
+            exit_save = min(m.blocking_s, train)
+            train, block = train - exit_save, block + exit_save
+            done = min(train / (1.0 + m.loop_overhead), remaining)
+        else:
+            done = min(float(committed), remaining)
+        wasted += train - done * (1.0 + m.loop_overhead)
+        blocking += block
         progress += done
-        t, first, overhead, failures = nxt, False, m.restart_s, failures + 1
+        t, first, count = nxt.at_s, False, count + 1
+        overhead = _restart(m, nxt)
     other = m.work_s * m.loop_overhead
     return SimResult(
         wall_s=t + m.shutdown_s,
@@ -180,15 +280,76 @@ def replay(model: JobModel, failure_times: Iterable[float]) -> SimResult:
         recovery_s=recovery,
         shutdown_s=m.shutdown_s,
         other_s=other,
-        failures=failures,
+        failures=count,
     )
 
 
+def _restart(model: JobModel, failure: FailureEvent) -> float:
+    return model.restart_s if failure.restart_s is None else failure.restart_s
+
+
+def observed_failures(report: EttReport, model: JobModel) -> list[FailureEvent]:
+    """The job's own failures: when each attempt died, its kind's restart cost and loss."""
+    return [FailureEvent.of_cause(f.died_at, f.cause, model) for f in report.failures]
+
+
 def what_if(report: EttReport, **changes: float) -> SimResult:
-    """Replay an observed job's own failures (when each attempt died) under changed
-    parameters, e.g. ``what_if(report, interval_s=900)`` or ``blocking_s=2, upload_s=60``."""
-    model = JobModel.from_report(report).with_changes(**changes)
-    return replay(model, [f.died_at for f in report.failures])
+    """Replay an observed job's own failures (when each attempt died, and of what kind) under
+    changed parameters, e.g. ``what_if(report, interval_s=900)`` or ``blocking_s=2, upload_s=60``.
+    A changed ``restart_s`` applies to every failure, whatever its kind."""
+    model = JobModel.from_report(report)
+    if "restart_s" in changes:
+        model = model.with_changes(restart_by_cause={})
+    model = model.with_changes(**changes)
+    return replay(model, observed_failures(report, model))
+
+
+@dataclass(frozen=True)
+class Validation:
+    """A measured job beside the model's replay of it (same failures, same kinds)."""
+
+    label: str
+    measured: EttReport
+    predicted: SimResult
+    model: JobModel
+
+    @property
+    def error_pts(self) -> float:
+        """Predicted minus measured ETT, in percentage points."""
+        return self.predicted.ett_pct - self.measured.ett_pct
+
+    def within(self, tolerance_pts: float) -> bool:
+        return abs(self.error_pts) <= tolerance_pts
+
+    def rows(self) -> list[tuple[str, float, float]]:
+        """(quantity, measured, predicted): wall time, ETT% and the buckets the model predicts."""
+        b, p = self.measured.buckets, self.predicted
+        return [
+            ("ETT %", self.measured.ett_pct, p.ett_pct),
+            ("wall s", self.measured.wall_s, p.wall_s),
+            ("effective training s", b["effective_training"], p.effective_s),
+            ("wasted training s", b["wasted_training"], p.wasted_s),
+            ("checkpoint blocking s", b["checkpoint_blocking"], p.blocking_s),
+            ("startup + recovery s", b["startup"] + b["recovery"], p.startup_s + p.recovery_s),
+            (
+                "eval + other + shutdown s",
+                b["eval"] + b["other"] + b["shutdown"],
+                p.other_s + p.shutdown_s,
+            ),
+        ]
+
+
+def validate(report: EttReport, label: str = "job") -> Validation:
+    """The model calibrated from a finished job, replayed on the job's own failures.
+
+    The model takes the job's per-event costs (step time, blocking per checkpoint, upload,
+    startup, restart per failure kind, shutdown, overhead per training second); the wasted
+    training, the blocking, and so the wall time and ETT% are predicted, not copied.
+    """
+    if not report.finished:
+        raise ValueError(f"{label}: the job did not finish (no job_end): nothing to compare")
+    model = JobModel.from_report(report)
+    return Validation(label, report, replay(model, observed_failures(report, model)), model)
 
 
 def exponential_schedule(mtbf_s: float, rng: np.random.Generator) -> Iterator[float]:
