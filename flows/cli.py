@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("publish", cmd_publish, "publish an anchor checkpoint (see --help)", config=False)
     p.add_argument("publish_args", nargs=argparse.REMAINDER, help="e.g. --uri URL")
     # -- ett simulate ------------------------------------------------------------------------
-    from infra.scaling import ScalingLaws
+    from infra.scaling import ANCHOR, ScalingLaws
 
     p = add(
         "simulate",
@@ -209,8 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--failures-per-gpu-day",
         type=float,
         default=ScalingLaws.failures_per_gpu_day,
-        help="per-GPU failure rate; default %(default).3g from Llama 3 405B pre-training: "
-        "419 unexpected interruptions in 54 days on 16,384 H100s = 419 / (54 x 16,384)",
+        help=f"per-GPU failure rate (default %(default).3g, from {ANCHOR})",
     )
     p.add_argument(
         "--rendezvous-s-per-node",
