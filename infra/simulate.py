@@ -5,7 +5,9 @@ The model (all times in seconds). The job needs ``work_s`` of training progress.
 save; async: staging only), then the upload runs for ``upload_s`` in the background and the
 checkpoint is committed when it ends. At most one upload is in flight, so when the interval is
 shorter than the upload the next checkpoint first waits for the previous one (counted as
-blocking). Eval and gaps between steps cost ``loop_overhead`` wall seconds per progress second.
+blocking). Checkpoints fall at multiples of ``interval_s`` of the job's progress (every N
+steps), also after a preemption resumed between two of them. Eval and gaps between steps
+cost ``loop_overhead`` wall seconds per trained second.
 A failure loses the progress since the last *committed* checkpoint, except a preemption,
 which saves at the step boundary before it exits and loses nothing; the job then spends its
 restart cost (detection, scheduling, init, restore; per failure kind when measured) before
@@ -13,11 +15,11 @@ training again. The first attempt spends ``startup_s`` before its first step and
 ``shutdown_s`` after its last (the final anchor save included).
 
 ``replay`` is deterministic for a given failure schedule; ``what_if`` replays an observed job's
-own failures under changed parameters and ``validate`` sets that replay beside what was
-measured; ``monte_carlo`` draws exponential schedules for an MTBF; ``steady_state_waste`` is the
-long-run wasted fraction (a vectorised renewal estimate: every restart from a committed
-checkpoint starts afresh), used to brute-force the best interval. Projecting a job to many GPUs
-is ``infra/projection.py``'s job.
+own failures under changed parameters, and ``validate`` sets a replay of them, placed where
+in the job each struck, beside what was measured; ``monte_carlo`` draws exponential
+schedules for an MTBF; ``steady_state_waste`` is the long-run wasted fraction (a vectorised
+renewal estimate: every restart from a committed checkpoint starts afresh), used to
+brute-force the best interval. Projecting a job to many GPUs is ``infra/projection.py``'s job.
 """
 
 from __future__ import annotations
@@ -130,15 +132,26 @@ def _restart_costs(report: EttReport) -> tuple[float, dict[str, float]]:
 
 @dataclass(frozen=True)
 class FailureEvent:
-    """One failure in a replay: when, what it costs to restart, whether progress survives."""
+    """One failure in a replay: when, what it costs to restart, whether progress survives.
+
+    It strikes at the wall time ``at_s`` (seconds from the job's start) or, when
+    ``at_progress_s`` is set, once the attempt has trained up to that much of the job's
+    progress (after the checkpoint due there, if any): where in the job a measured failure
+    struck, whatever the machine's speed in that attempt. ``resume_s``, when set, is the
+    progress the next attempt resumed from (the newest committed checkpoint at the failure),
+    instead of the model's own.
+    """
 
     at_s: float
     restart_s: float | None = None  # None: the model's restart_s
     keeps_progress: bool = False  # a preemption saves at the step boundary before exiting
+    at_progress_s: float | None = None
+    resume_s: float | None = None
 
     @classmethod
-    def of_cause(cls, at_s: float, cause: str, model: JobModel) -> FailureEvent:
-        return cls(at_s, model.restart_for(cause), keeps_progress=cause == Outcome.PREEMPTED)
+    def of_cause(cls, at_s: float, cause: str, model: JobModel, **where: float) -> FailureEvent:
+        preempted = cause == Outcome.PREEMPTED
+        return cls(at_s, model.restart_for(cause), preempted, **where)
 
 
 @dataclass(frozen=True)
@@ -176,52 +189,81 @@ class MonteCarloResult:
 
 
 def segment(
-    y: float | np.ndarray, tau: float, c: float, u: float = 0.0, q: float = 0.0
+    y: float | np.ndarray,
+    tau: float,
+    c: float,
+    u: float = 0.0,
+    q: float = 0.0,
+    phase: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Training for ``y`` wall seconds from a committed state until a failure (y may be an array).
 
     Cycles are: train tau*(1+q), wait w = max(0, u - tau*(1+q)) for the previous upload (not in
     the first cycle), block c; checkpoint k ends blocking at k*L - w and commits u later.
+    Checkpoints fall at multiples of tau of the job's progress, so a job resumed ``phase``
+    past one (after a preemption's exit save) reaches its first checkpoint sooner.
     Returns (committed progress, training wall, blocking wall incl. upload waits).
     """
     a = tau * (1.0 + q)
+    ahead = phase * (1.0 + q)  # the first cycle, already trained
+    y = np.asarray(y) + ahead
     w = max(0.0, u - a)
     big_l = a + w + c
-    m = np.floor((np.asarray(y) + w) / big_l)
+    # A failure the instant a save ends (a measured one, placed at the save's end) comes
+    # after it: the tolerance (a microsecond) keeps rounding from moving it back one cycle.
+    late = y + max(1e-9 * big_l, 1e-6)
+    m = np.floor((late + w) / big_l)
     start = np.where(m >= 1, m * big_l - w, 0.0)
     r = y - start
-    train = m * a + np.minimum(r, a)
+    train = m * a + np.minimum(r, a) - ahead
     # Partial cycle: whatever of r is past its training is upload wait + blocking.
     block = m * c + np.maximum(m - 1, 0) * w + np.clip(r - a, 0.0, None)
-    n = np.clip(np.minimum(m, np.floor((y + w - u) / big_l)), 0, None)
-    return n * tau, train, block
+    n = np.clip(np.minimum(m, np.floor((late + w - u) / big_l)), 0, None)
+    return np.maximum(n * tau - phase, 0.0), train, block
 
 
-def time_to_finish(remaining: float, tau: float, c: float, u: float = 0.0, q: float = 0.0) -> float:
+def _wall(progress: float, k: int, tau: float, c: float, u: float, q: float) -> float:
+    """Wall time for ``progress`` of training with ``k`` checkpoints on the way."""
+    w = max(0.0, u - tau * (1.0 + q))
+    return progress * (1.0 + q) + k * c + max(0, k - 1) * w
+
+
+def time_to_finish(
+    remaining: float, tau: float, c: float, u: float = 0.0, q: float = 0.0, phase: float = 0.0
+) -> float:
     """Wall time to make ``remaining`` progress without a failure (no checkpoint at the end)."""
     if remaining <= 0:
         return 0.0
-    k = max(0, math.ceil(remaining / tau - 1e-12) - 1)
-    w = max(0.0, u - tau * (1.0 + q))
-    return remaining * (1.0 + q) + k * c + max(0, k - 1) * w
+    k = max(0, math.ceil((remaining + phase) / tau - 1e-12) - 1)
+    return _wall(remaining, k, tau, c, u, q)
+
+
+def time_to_reach(
+    progress: float, tau: float, c: float, u: float = 0.0, q: float = 0.0, phase: float = 0.0
+) -> float:
+    """Wall time from a committed state to ``progress``, the checkpoints due up to it included."""
+    k = max(0, math.floor((progress + phase) / tau + 1e-9))
+    return _wall(progress, k, tau, c, u, q)
 
 
 _NEVER = FailureEvent(math.inf)  # what comes after the last failure
 
 
 def _events(failures: Iterable[float | FailureEvent]) -> Iterator[FailureEvent]:
-    """Failures in time order (a lazy iterator is taken to be ordered already)."""
-    items = failures if isinstance(failures, Iterator) else iter(sorted(failures, key=_at))
+    """Failures in order: wall times are sorted; a lazy iterator, or a list with failures
+    placed by progress, is taken in the order given."""
+    items = list(failures) if not isinstance(failures, Iterator) else failures
+    if isinstance(items, list) and not any(
+        isinstance(f, FailureEvent) and f.at_progress_s is not None for f in items
+    ):
+        items = sorted(items, key=lambda f: f.at_s if isinstance(f, FailureEvent) else float(f))
     for f in items:
         yield f if isinstance(f, FailureEvent) else FailureEvent(float(f))
 
 
-def _at(f: float | FailureEvent) -> float:
-    return f.at_s if isinstance(f, FailureEvent) else float(f)
-
-
 def replay(model: JobModel, failures: Iterable[float | FailureEvent]) -> SimResult:
-    """Run the job once; failures strike at the given wall times (seconds from job start).
+    """Run the job once; failures strike at the given wall times (seconds from job start), or
+    where in the job's progress a ``FailureEvent`` places them.
 
     Plain times are failures that lose the unsaved work and cost ``model.restart_s``.
     """
@@ -230,7 +272,13 @@ def replay(model: JobModel, failures: Iterable[float | FailureEvent]) -> SimResu
     t = progress = wasted = blocking = recovery = startup = 0.0
     overhead, first, count = m.startup_s, True, 0
     while True:
-        nxt = next((f for f in events if f.at_s >= t), _NEVER)
+        nxt = next((f for f in events if f.at_progress_s is not None or f.at_s >= t), _NEVER)
+        phase = math.fmod(progress, m.interval_s)
+        phase = 0.0 if m.interval_s - phase < 1e-9 * m.interval_s else phase
+        cycles = (m.interval_s, m.blocking_s, m.upload_s, m.loop_overhead, phase)
+        if nxt.at_progress_s is not None:  # where the attempt has got to, in model time
+            reach = time_to_reach(max(nxt.at_progress_s - progress, 0.0), *cycles)
+            nxt = dataclasses.replace(nxt, at_s=t + overhead + reach)
         seg = nxt.at_s - t
         if count > MAX_FAILURES:
             raise ValueError(
@@ -250,19 +298,19 @@ def replay(model: JobModel, failures: Iterable[float | FailureEvent]) -> SimResu
         else:
             recovery += overhead
         remaining = m.work_s - progress
-        need = time_to_finish(remaining, m.interval_s, m.blocking_s, m.upload_s, m.loop_overhead)
+        need = time_to_finish(remaining, *cycles)
         if seg - overhead >= need:
             blocking += need - remaining * (1.0 + m.loop_overhead)
             t += overhead + need
             break
-        committed, train, block = segment(
-            seg - overhead, m.interval_s, m.blocking_s, m.upload_s, m.loop_overhead
-        )
+        committed, train, block = segment(seg - overhead, *cycles)
         train, block = float(train), float(block)
         if nxt.keeps_progress:  # the exit save blocks, then everything trained is kept
             exit_save = min(m.blocking_s, train)
             train, block = train - exit_save, block + exit_save
             done = min(train / (1.0 + m.loop_overhead), remaining)
+        elif nxt.resume_s is not None:
+            done = min(max(nxt.resume_s - progress, 0.0), train / (1.0 + m.loop_overhead))
         else:
             done = min(float(committed), remaining)
         wasted += train - done * (1.0 + m.loop_overhead)
@@ -288,9 +336,29 @@ def _restart(model: JobModel, failure: FailureEvent) -> float:
     return model.restart_s if failure.restart_s is None else failure.restart_s
 
 
-def observed_failures(report: EttReport, model: JobModel) -> list[FailureEvent]:
-    """The job's own failures: when each attempt died, its kind's restart cost and loss."""
-    return [FailureEvent.of_cause(f.died_at, f.cause, model) for f in report.failures]
+def observed_failures(
+    report: EttReport, model: JobModel, by_step: bool = False
+) -> list[FailureEvent]:
+    """The job's own failures, in order, each with its kind's restart cost and loss.
+
+    Each strikes when its attempt died or, with ``by_step``, right after the last step it made
+    and loses the work back to the step the next attempt resumed from (a failure at a
+    checkpoint's step struck after that save if the job resumed from it, else before it).
+    """
+    step = model.step_time_s or 0.0
+    resumed_from = {a.attempt: a.first_step for a in report.attempts}
+    events = []
+    for f in report.failures:
+        where: dict[str, float] = {}
+        after = resumed_from.get(f.attempt + 1)
+        if by_step and f.last_step is not None and after is not None and step:
+            at, resume = f.last_step * step, (after - 1) * step
+            due = abs(at / model.interval_s - round(at / model.interval_s)) < 1e-6
+            if due and resume < at:
+                at -= 1e-6 * model.interval_s  # before the save at this step
+            where = {"at_progress_s": at, "resume_s": resume}
+        events.append(FailureEvent.of_cause(f.died_at, f.cause, model, **where))
+    return events
 
 
 def what_if(report: EttReport, **changes: float) -> SimResult:
@@ -306,11 +374,13 @@ def what_if(report: EttReport, **changes: float) -> SimResult:
 
 @dataclass(frozen=True)
 class Validation:
-    """A measured job beside the model's replay of it (same failures, same kinds)."""
+    """A measured job beside the model's replays of it: its own failures, of the same kinds,
+    placed where in the job each struck (``predicted``) or when (``predicted_at_times``)."""
 
     label: str
     measured: EttReport
     predicted: SimResult
+    predicted_at_times: SimResult
     model: JobModel
 
     @property
@@ -336,6 +406,11 @@ class Validation:
                 b["eval"] + b["other"] + b["shutdown"],
                 p.other_s + p.shutdown_s,
             ),
+            (
+                "ETT % (failures at their wall times)",
+                self.measured.ett_pct,
+                self.predicted_at_times.ett_pct,
+            ),
         ]
 
 
@@ -344,12 +419,17 @@ def validate(report: EttReport, label: str = "job") -> Validation:
 
     The model takes the job's per-event costs (step time, blocking per checkpoint, upload,
     startup, restart per failure kind, shutdown, overhead per training second); the wasted
-    training, the blocking, and so the wall time and ETT% are predicted, not copied.
+    training, the blocking, and so the wall time and ETT% are predicted, not copied. Each
+    failure strikes where in the job it struck (after the attempt's last step): a shared
+    machine runs one attempt faster than another, so at the same wall time the model's job
+    would be elsewhere. The replay at the failures' wall times is kept beside it.
     """
     if not report.finished:
         raise ValueError(f"{label}: the job did not finish (no job_end): nothing to compare")
     model = JobModel.from_report(report)
-    return Validation(label, report, replay(model, observed_failures(report, model)), model)
+    by_step = replay(model, observed_failures(report, model, by_step=True))
+    at_times = replay(model, observed_failures(report, model))
+    return Validation(label, report, by_step, at_times, model)
 
 
 def exponential_schedule(mtbf_s: float, rng: np.random.Generator) -> Iterator[float]:

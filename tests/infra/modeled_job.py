@@ -7,7 +7,8 @@ calculator sits in between exactly as it does for a real job.
 
 Behaviour, all times in seconds from the job's start:
 - attempt 0 spends ``startup_s`` (a launcher_init span) before its first step;
-- steps take ``step_s``, with ``gap_s`` of nothing between them (the "other" bucket);
+- steps take ``step_s`` (or ``step_s_by_attempt[attempt]``: a machine busier in one attempt),
+  with ``gap_s`` of nothing between them (the "other" bucket);
 - after every ``every`` steps (not after the last) a checkpoint first waits for the previous
   upload to commit, then blocks ``blocking_s``; it commits ``upload_s`` after the blocking;
 - a failure at time f: a lossy one (crash, sigkill, hang) kills the attempt at f: steps and
@@ -33,6 +34,7 @@ T0 = 1_700_000_000.0
 class Plan:
     steps: int = 100
     step_s: float = 1.0
+    step_s_by_attempt: Mapping[int, float] = field(default_factory=dict)
     every: int = 10
     blocking_s: float = 0.5
     upload_s: float = 0.0
@@ -89,6 +91,7 @@ class _Attempt:
         self.orch = Ledger(url, attempt=attempt, role="orchestrator", clock=clock)
         self.tr = Ledger(url, attempt=attempt, clock=clock)
         self.plan, self.truth, self.fail_at, self.lossy = plan, truth, fail_at, lossy
+        self.step_s = plan.step_s_by_attempt.get(attempt, plan.step_s)
         self.pending: tuple[int, float] | None = None  # in-flight upload: (step, commit time)
         self.committed = self.step = 0
         self.now = 0.0
@@ -135,7 +138,7 @@ class _Attempt:
                 self._commit_pending(self.now)
                 return self.now
             start = self.now
-            if not self._reach(start + p.step_s):
+            if not self._reach(start + self.step_s):
                 return self._die()
             self.step += 1
             self.tr.record_span("train_step", T0 + start, T0 + self.now, step=self.step)
