@@ -235,7 +235,8 @@ def plot_projection(p: Projection, path: str | Path) -> Path:
                     color=color,
                 )
     ax.set_xscale("log", base=2)
-    ax.set_xticks(list(TABLE_GPUS), [f"{g:,}" for g in TABLE_GPUS])
+    ticks = [1, *TABLE_GPUS]
+    ax.set_xticks(ticks, [f"{g:,}" for g in ticks])
     ax.set_xlabel("GPUs (N)")
     ax.set_ylabel("ETT % (mean, band p5-p95)")
     per_day = p.laws.failures_per_gpu_day
