@@ -116,6 +116,45 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(steps=args.steps, nproc=args.nproc)
 
 
+# -- ett simulate (infra/projection.py, infra/simulate_report.py) ------------------------------
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Validate measured jobs against the model, then project them to many GPUs."""
+    from infra import storage
+    from infra.scaling import ScalingLaws
+    from infra.simulate_report import format_text, run_simulate, write_outputs
+
+    config = _config(args)
+    storage.configure(config.storage)
+    named = [("baseline", args.baseline), ("optimized", args.optimized)]
+    named += [(args.job.rstrip("/").rsplit("/", 1)[-1], args.job)] if args.job else []
+    jobs = {
+        label: job if "://" in job else storage.join(config.storage.root, "jobs", job)
+        for label, job in named
+        if job
+    }
+    try:
+        if not jobs:
+            raise ValueError("give a job: JOB, --baseline JOB and/or --optimized JOB")
+        laws = ScalingLaws(
+            failures_per_gpu_day=args.failures_per_gpu_day,
+            gpus_per_node=args.gpus_per_node,
+            rendezvous_s_per_node=args.rendezvous_s_per_node,
+            measured_nodes=args.measured_nodes,
+        )
+        out = run_simulate(
+            jobs, laws, args.days, args.tolerance, args.runs, args.seed, args.validate
+        )
+        print(format_text(out), end="")
+        print(f"wrote {', '.join(str(p) for p in write_outputs(out, args.out))}")
+    except (ValueError, OSError) as exc:
+        print(f"ett simulate: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
+    return 0 if out.validated or not args.validate else 1
+
+
+# -- end of ett simulate ----------------------------------------------------------------------
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ett", description="Effective Training Time pipeline")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -154,6 +193,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("stack_args", nargs=argparse.REMAINDER, help="e.g. up, down, status, env")
     p = add("publish", cmd_publish, "publish an anchor checkpoint (see --help)", config=False)
     p.add_argument("publish_args", nargs=argparse.REMAINDER, help="e.g. --uri URL")
+    # -- ett simulate ------------------------------------------------------------------------
+    from infra.scaling import ANCHOR, ScalingLaws
+
+    p = add(
+        "simulate",
+        cmd_simulate,
+        "validate measured jobs against the model, then project their ETT to 16,384 GPUs",
+    )
+    p.add_argument("job", nargs="?", help="a measured job: id (under storage.root) or URL")
+    p.add_argument("--baseline", metavar="JOB", help="the baseline run (id or URL)")
+    p.add_argument("--optimized", metavar="JOB", help="the optimized run (id or URL)")
+    p.add_argument(
+        "--validate",
+        action="store_true",
+        help="only replay each job on its own failures beside what was measured; "
+        "exit 1 when one misses --tolerance",
+    )
+    p.add_argument("--tolerance", type=float, default=3.0, help="ETT points (default 3)")
+    p.add_argument(
+        "--days",
+        type=float,
+        default=30.0,
+        help="job length, days of training (default %(default)g)",
+    )
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=ScalingLaws.gpus_per_node,
+        help="G: GPUs per node (default %(default)d)",
+    )
+    p.add_argument(
+        "--failures-per-gpu-day",
+        type=float,
+        default=ScalingLaws.failures_per_gpu_day,
+        help=f"per-GPU failure rate (default %(default).3g, from {ANCHOR})",
+    )
+    p.add_argument(
+        "--rendezvous-s-per-node",
+        type=float,
+        default=ScalingLaws.rendezvous_s_per_node,
+        help="seconds added to every restart and to the first start per node beyond the "
+        "measured ones (default %(default)g s)",
+    )
+    p.add_argument(
+        "--measured-nodes",
+        type=int,
+        default=ScalingLaws.measured_nodes,
+        help="nodes of the measured runs (default %(default)d)",
+    )
+    p.add_argument(
+        "--runs", type=int, default=300, help="seeded Monte Carlo runs per point (default 300)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/simulate", help="folder for simulate.{json,md,png}")
+    # -- end of ett simulate -----------------------------------------------------------------
     return parser
 
 

@@ -5,32 +5,47 @@ The model (all times in seconds). The job needs ``work_s`` of training progress.
 save; async: staging only), then the upload runs for ``upload_s`` in the background and the
 checkpoint is committed when it ends. At most one upload is in flight, so when the interval is
 shorter than the upload the next checkpoint first waits for the previous one (counted as
-blocking). Eval and gaps between steps cost ``loop_overhead`` wall seconds per progress second.
-A failure loses the progress since the last *committed* checkpoint; the job then spends
-``restart_s`` (detection, scheduling, init, restore) before training again. The first attempt
-spends ``startup_s`` before its first step and the job ``shutdown_s`` after its last.
+blocking). Checkpoints fall at multiples of ``interval_s`` of the job's progress (every N
+steps), also after a preemption resumed between two of them. Eval and gaps between steps
+cost ``loop_overhead`` wall seconds per trained second.
+A failure loses the progress since the last *committed* checkpoint, except a preemption,
+which saves at the step boundary before it exits and loses nothing; the job then spends its
+restart cost (detection, scheduling, init, restore; per failure kind when measured) before
+training again. The first attempt spends ``startup_s`` before its first step and the job
+``shutdown_s`` after its last (the final anchor save included).
 
 ``replay`` is deterministic for a given failure schedule; ``what_if`` replays an observed job's
-own failures under changed parameters; ``monte_carlo`` draws exponential schedules for an MTBF;
-``steady_state_waste`` is the long-run wasted fraction (a vectorised renewal estimate: every
-restart from a committed checkpoint starts afresh), used to brute-force the best interval.
+own failures under changed parameters, and ``validate`` sets a replay of them, placed where
+in the job each struck, beside what was measured; ``monte_carlo`` draws exponential
+schedules for an MTBF; ``steady_state_waste`` is the long-run wasted fraction (a vectorised
+renewal estimate: every restart from a committed checkpoint starts afresh), used to
+brute-force the best interval. Projecting a job to many GPUs is ``infra/projection.py``'s job.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from infra.ett import EttReport
+from infra.exit_codes import Outcome
+
+# A replay that sees this many failures makes no progress (restarts outlast the MTBF).
+MAX_FAILURES = 200_000
 
 
 @dataclass(frozen=True)
 class JobModel:
-    """The parameters of one job; ``with_changes`` makes the what-if variant."""
+    """The parameters of one job; ``with_changes`` makes the what-if variant.
+
+    ``interval_s`` is training progress between checkpoints; ``restart_s`` is the restart cost
+    of a failure of unknown kind, ``restart_by_cause`` the measured one per failure cause.
+    """
 
     work_s: float
     interval_s: float
@@ -41,34 +56,102 @@ class JobModel:
     shutdown_s: float = 0.0
     loop_overhead: float = 0.0
     step_time_s: float | None = None
+    restart_by_cause: Mapping[str, float] = field(default_factory=dict)
 
-    def with_changes(self, **changes: float) -> JobModel:
+    def with_changes(self, **changes: Any) -> JobModel:
         return dataclasses.replace(self, **changes)
+
+    def restart_for(self, cause: str) -> float:
+        return self.restart_by_cause.get(cause, self.restart_s)
 
     @classmethod
     def from_report(cls, report: EttReport) -> JobModel:
-        """Calibrate from an observed job: its surviving work, interval, costs and overheads."""
+        """Calibrate from an observed job: its costs per event, not its totals.
+
+        The step time is the mean kept step (effective training / steps), so the modelled
+        checkpoints fall where the real ones did. Eval and gaps are spread over every trained
+        second, redone ones included. The final anchor save is nested in the shutdown span but
+        counted as blocking, so one blocking is added to the shutdown.
+        """
         b = report.buckets
         work = b["effective_training"]
-        block = report.checkpoint_blocking_mean_s or 0.0
-        if report.checkpoint_interval_steps and report.step_time_median_s:
-            interval = report.checkpoint_interval_steps * report.step_time_median_s
+        trained = work + b["wasted_training"]  # redone steps have their gaps and evals too
+        overhead = (b["eval"] + b["other"]) / trained if trained > 0 else 0.0
+        measured_block = report.checkpoint_blocking_mean_s or 0.0
+        step = work / report.num_steps if report.num_steps else report.step_time_median_s
+        if report.checkpoint_interval_steps and step:
+            interval = report.checkpoint_interval_steps * step
         elif report.checkpoint_interval_s:
-            interval = max(report.checkpoint_interval_s - block, 1e-9)
+            interval = max(report.checkpoint_interval_s - measured_block, 1e-9)
         else:
             interval = 2 * work + 1.0  # never checkpointed: no checkpoint ever fires
-        recovered = [f.time_to_recover_s for f in report.failures if f.resumed_at is not None]
+        upload = max(report.commit_latency_s or 0.0, 0.0)
+        block = _blocking_without_waits(report, max(0.0, upload - interval * (1 + overhead)))
+        restart_s, by_cause = _restart_costs(report)
         return cls(
             work_s=work,
             interval_s=interval,
             blocking_s=block,
-            upload_s=report.commit_latency_s or 0.0,
+            upload_s=upload,
             startup_s=report.time_to_start_s or 0.0,
-            restart_s=float(np.mean(recovered)) if recovered else 0.0,
-            shutdown_s=b["shutdown"],
-            loop_overhead=(b["eval"] + b["other"]) / work if work > 0 else 0.0,
-            step_time_s=report.step_time_median_s,
+            restart_s=restart_s,
+            shutdown_s=b["shutdown"] + (block if report.num_checkpoints_committed else 0.0),
+            loop_overhead=overhead,
+            step_time_s=step,
+            restart_by_cause=by_cause,
         )
+
+
+def _blocking_without_waits(report: EttReport, wait_s: float) -> float:
+    """Blocking per checkpoint, without the waits for the previous upload.
+
+    When uploads outlast the interval, every checkpoint but an attempt's first waits
+    ``wait_s`` inside its blocking span; the model adds that wait itself.
+    """
+    mean = report.checkpoint_blocking_mean_s or 0.0
+    if wait_s <= 0 or mean <= 0:
+        return mean
+    count = round(report.checkpoint_blocking_total_s / mean)
+    waited = max(count - len(report.attempts), 0)
+    own = (report.checkpoint_blocking_total_s - waited * wait_s) / count
+    return own if own > 0 else mean
+
+
+def _restart_costs(report: EttReport) -> tuple[float, dict[str, float]]:
+    """Time to Recover averaged per cause, and over the unplanned failures (preemptions only
+    when there is nothing else): the cost of a failure whose kind is not given."""
+    by_cause: dict[str, list[float]] = {}
+    for f in report.failures:
+        if f.resumed_at is not None:
+            by_cause.setdefault(f.cause, []).append(f.time_to_recover_s)
+    unplanned = [t for c, ts in by_cause.items() if c != Outcome.PREEMPTED for t in ts]
+    recovered = unplanned or [t for ts in by_cause.values() for t in ts]
+    mean = float(np.mean(recovered)) if recovered else 0.0
+    return mean, {c: float(np.mean(ts)) for c, ts in sorted(by_cause.items())}
+
+
+@dataclass(frozen=True)
+class FailureEvent:
+    """One failure in a replay: when, what it costs to restart, whether progress survives.
+
+    It strikes at the wall time ``at_s`` (seconds from the job's start) or, when
+    ``at_progress_s`` is set, once the attempt has trained up to that much of the job's
+    progress (after the checkpoint due there, if any): where in the job a measured failure
+    struck, whatever the machine's speed in that attempt. ``resume_s``, when set, is the
+    progress the next attempt resumed from (the newest committed checkpoint at the failure),
+    instead of the model's own.
+    """
+
+    at_s: float
+    restart_s: float | None = None  # None: the model's restart_s
+    keeps_progress: bool = False  # a preemption saves at the step boundary before exiting
+    at_progress_s: float | None = None
+    resume_s: float | None = None
+
+    @classmethod
+    def of_cause(cls, at_s: float, cause: str, model: JobModel, **where: float) -> FailureEvent:
+        preempted = cause == Outcome.PREEMPTED
+        return cls(at_s, model.restart_for(cause), preempted, **where)
 
 
 @dataclass(frozen=True)
@@ -106,70 +189,135 @@ class MonteCarloResult:
 
 
 def segment(
-    y: float | np.ndarray, tau: float, c: float, u: float = 0.0, q: float = 0.0
+    y: float | np.ndarray,
+    tau: float,
+    c: float,
+    u: float = 0.0,
+    q: float = 0.0,
+    phase: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Training for ``y`` wall seconds from a committed state until a failure (y may be an array).
 
     Cycles are: train tau*(1+q), wait w = max(0, u - tau*(1+q)) for the previous upload (not in
     the first cycle), block c; checkpoint k ends blocking at k*L - w and commits u later.
+    Checkpoints fall at multiples of tau of the job's progress, so a job resumed ``phase``
+    past one (after a preemption's exit save) reaches its first checkpoint sooner.
     Returns (committed progress, training wall, blocking wall incl. upload waits).
     """
     a = tau * (1.0 + q)
+    ahead = phase * (1.0 + q)  # the first cycle, already trained
+    y = np.asarray(y) + ahead
     w = max(0.0, u - a)
     big_l = a + w + c
-    m = np.floor((np.asarray(y) + w) / big_l)
+    # A failure the instant a save ends (a measured one, placed at the save's end) comes
+    # after it: the tolerance (a microsecond) keeps rounding from moving it back one cycle.
+    late = y + max(1e-9 * big_l, 1e-6)
+    m = np.floor((late + w) / big_l)
     start = np.where(m >= 1, m * big_l - w, 0.0)
     r = y - start
-    train = m * a + np.minimum(r, a)
+    train = m * a + np.minimum(r, a) - ahead
     # Partial cycle: whatever of r is past its training is upload wait + blocking.
     block = m * c + np.maximum(m - 1, 0) * w + np.clip(r - a, 0.0, None)
-    n = np.clip(np.minimum(m, np.floor((y + w - u) / big_l)), 0, None)
-    return n * tau, train, block
+    n = np.clip(np.minimum(m, np.floor((late + w - u) / big_l)), 0, None)
+    return np.maximum(n * tau - phase, 0.0), train, block
 
 
-def time_to_finish(remaining: float, tau: float, c: float, u: float = 0.0, q: float = 0.0) -> float:
+def _wall(progress: float, k: int, tau: float, c: float, u: float, q: float) -> float:
+    """Wall time for ``progress`` of training with ``k`` checkpoints on the way."""
+    w = max(0.0, u - tau * (1.0 + q))
+    return progress * (1.0 + q) + k * c + max(0, k - 1) * w
+
+
+def time_to_finish(
+    remaining: float, tau: float, c: float, u: float = 0.0, q: float = 0.0, phase: float = 0.0
+) -> float:
     """Wall time to make ``remaining`` progress without a failure (no checkpoint at the end)."""
     if remaining <= 0:
         return 0.0
-    k = max(0, math.ceil(remaining / tau - 1e-12) - 1)
-    w = max(0.0, u - tau * (1.0 + q))
-    return remaining * (1.0 + q) + k * c + max(0, k - 1) * w
+    k = max(0, math.ceil((remaining + phase) / tau - 1e-12) - 1)
+    return _wall(remaining, k, tau, c, u, q)
 
 
-def replay(model: JobModel, failure_times: Iterable[float]) -> SimResult:
-    """Run the job once; failures strike at the given wall times (seconds from job start)."""
+def time_to_reach(
+    progress: float, tau: float, c: float, u: float = 0.0, q: float = 0.0, phase: float = 0.0
+) -> float:
+    """Wall time from a committed state to ``progress``, the checkpoints due up to it included."""
+    k = max(0, math.floor((progress + phase) / tau + 1e-9))
+    return _wall(progress, k, tau, c, u, q)
+
+
+_NEVER = FailureEvent(math.inf)  # what comes after the last failure
+
+
+def _events(failures: Iterable[float | FailureEvent]) -> Iterator[FailureEvent]:
+    """Failures in order: wall times are sorted; a lazy iterator, or a list with failures
+    placed by progress, is taken in the order given."""
+    items = list(failures) if not isinstance(failures, Iterator) else failures
+    if isinstance(items, list) and not any(
+        isinstance(f, FailureEvent) and f.at_progress_s is not None for f in items
+    ):
+        items = sorted(items, key=lambda f: f.at_s if isinstance(f, FailureEvent) else float(f))
+    for f in items:
+        yield f if isinstance(f, FailureEvent) else FailureEvent(float(f))
+
+
+def replay(model: JobModel, failures: Iterable[float | FailureEvent]) -> SimResult:
+    """Run the job once; failures strike at the given wall times (seconds from job start), or
+    where in the job's progress a ``FailureEvent`` places them.
+
+    Plain times are failures that lose the unsaved work and cost ``model.restart_s``.
+    """
     m = model
-    fails = failure_times if isinstance(failure_times, Iterator) else iter(sorted(failure_times))
+    events = _events(failures)
     t = progress = wasted = blocking = recovery = startup = 0.0
-    overhead, first, failures = m.startup_s, True, 0
+    overhead, first, count = m.startup_s, True, 0
     while True:
-        nxt = next((f for f in fails if f >= t), math.inf)
-        seg = nxt - t
+        nxt = next((f for f in events if f.at_progress_s is not None or f.at_s >= t), _NEVER)
+        phase = math.fmod(progress, m.interval_s)
+        phase = 0.0 if m.interval_s - phase < 1e-9 * m.interval_s else phase
+        cycles = (m.interval_s, m.blocking_s, m.upload_s, m.loop_overhead, phase)
+        if nxt.at_progress_s is not None:  # where the attempt has got to, in model time
+            reach = time_to_reach(max(nxt.at_progress_s - progress, 0.0), *cycles)
+            nxt = dataclasses.replace(nxt, at_s=t + overhead + reach)
+        seg = nxt.at_s - t
+        if count > MAX_FAILURES:
+            raise ValueError(
+                f"the job makes no progress: {count} failures before it finished "
+                f"(restart {m.restart_s:.0f} s, interval {m.interval_s:.0f} s)"
+            )
         if seg < overhead:  # failed again before training resumed
             if first:
                 startup += seg
             else:
                 recovery += seg
-            t, first, overhead, failures = nxt, False, m.restart_s, failures + 1
+            t, first, count = nxt.at_s, False, count + 1
+            overhead = _restart(m, nxt)
             continue
         if first:
             startup += overhead
         else:
             recovery += overhead
         remaining = m.work_s - progress
-        need = time_to_finish(remaining, m.interval_s, m.blocking_s, m.upload_s, m.loop_overhead)
+        need = time_to_finish(remaining, *cycles)
         if seg - overhead >= need:
             blocking += need - remaining * (1.0 + m.loop_overhead)
             t += overhead + need
             break
-        done, train, block = segment(
-            seg - overhead, m.interval_s, m.blocking_s, m.upload_s, m.loop_overhead
-        )
-        done = min(float(done), remaining)
-        wasted += float(train) - done * (1.0 + m.loop_overhead)
-        blocking += float(block)
+        committed, train, block = segment(seg - overhead, *cycles)
+        train, block = float(train), float(block)
+        if nxt.keeps_progress:  # the exit save blocks, then everything trained is kept
+            exit_save = min(m.blocking_s, train)
+            train, block = train - exit_save, block + exit_save
+            done = min(train / (1.0 + m.loop_overhead), remaining)
+        elif nxt.resume_s is not None:
+            done = min(max(nxt.resume_s - progress, 0.0), train / (1.0 + m.loop_overhead))
+        else:
+            done = min(float(committed), remaining)
+        wasted += train - done * (1.0 + m.loop_overhead)
+        blocking += block
         progress += done
-        t, first, overhead, failures = nxt, False, m.restart_s, failures + 1
+        t, first, count = nxt.at_s, False, count + 1
+        overhead = _restart(m, nxt)
     other = m.work_s * m.loop_overhead
     return SimResult(
         wall_s=t + m.shutdown_s,
@@ -180,15 +328,108 @@ def replay(model: JobModel, failure_times: Iterable[float]) -> SimResult:
         recovery_s=recovery,
         shutdown_s=m.shutdown_s,
         other_s=other,
-        failures=failures,
+        failures=count,
     )
 
 
+def _restart(model: JobModel, failure: FailureEvent) -> float:
+    return model.restart_s if failure.restart_s is None else failure.restart_s
+
+
+def observed_failures(
+    report: EttReport, model: JobModel, by_step: bool = False
+) -> list[FailureEvent]:
+    """The job's own failures, in order, each with its kind's restart cost and loss.
+
+    Each strikes when its attempt died or, with ``by_step``, right after the last step it made
+    and loses the work back to the step the next attempt resumed from (a failure at a
+    checkpoint's step struck after that save if the job resumed from it, else before it).
+    """
+    step = model.step_time_s or 0.0
+    resumed_from = {a.attempt: a.first_step for a in report.attempts}
+    events = []
+    for f in report.failures:
+        where: dict[str, float] = {}
+        after = resumed_from.get(f.attempt + 1)
+        if by_step and f.last_step is not None and after is not None and step:
+            at, resume = f.last_step * step, (after - 1) * step
+            due = abs(at / model.interval_s - round(at / model.interval_s)) < 1e-6
+            if due and resume < at:
+                at -= 1e-6 * model.interval_s  # before the save at this step
+            where = {"at_progress_s": at, "resume_s": resume}
+        events.append(FailureEvent.of_cause(f.died_at, f.cause, model, **where))
+    return events
+
+
 def what_if(report: EttReport, **changes: float) -> SimResult:
-    """Replay an observed job's own failures (when each attempt died) under changed
-    parameters, e.g. ``what_if(report, interval_s=900)`` or ``blocking_s=2, upload_s=60``."""
-    model = JobModel.from_report(report).with_changes(**changes)
-    return replay(model, [f.died_at for f in report.failures])
+    """Replay an observed job's own failures (when each attempt died, and of what kind) under
+    changed parameters, e.g. ``what_if(report, interval_s=900)`` or ``blocking_s=2, upload_s=60``.
+    A changed ``restart_s`` applies to every failure, whatever its kind."""
+    model = JobModel.from_report(report)
+    if "restart_s" in changes:
+        model = model.with_changes(restart_by_cause={})
+    model = model.with_changes(**changes)
+    return replay(model, observed_failures(report, model))
+
+
+@dataclass(frozen=True)
+class Validation:
+    """A measured job beside the model's replays of it: its own failures, of the same kinds,
+    placed where in the job each struck (``predicted``) or when (``predicted_at_times``)."""
+
+    label: str
+    measured: EttReport
+    predicted: SimResult
+    predicted_at_times: SimResult
+    model: JobModel
+
+    @property
+    def error_pts(self) -> float:
+        """Predicted minus measured ETT, in percentage points."""
+        return self.predicted.ett_pct - self.measured.ett_pct
+
+    def within(self, tolerance_pts: float) -> bool:
+        return abs(self.error_pts) <= tolerance_pts
+
+    def rows(self) -> list[tuple[str, float, float]]:
+        """(quantity, measured, predicted): wall time, ETT% and the buckets the model predicts."""
+        b, p = self.measured.buckets, self.predicted
+        return [
+            ("ETT %", self.measured.ett_pct, p.ett_pct),
+            ("wall s", self.measured.wall_s, p.wall_s),
+            ("effective training s", b["effective_training"], p.effective_s),
+            ("wasted training s", b["wasted_training"], p.wasted_s),
+            ("checkpoint blocking s", b["checkpoint_blocking"], p.blocking_s),
+            ("startup + recovery s", b["startup"] + b["recovery"], p.startup_s + p.recovery_s),
+            (
+                "eval + other + shutdown s",
+                b["eval"] + b["other"] + b["shutdown"],
+                p.other_s + p.shutdown_s,
+            ),
+            (
+                "ETT % (failures at their wall times)",
+                self.measured.ett_pct,
+                self.predicted_at_times.ett_pct,
+            ),
+        ]
+
+
+def validate(report: EttReport, label: str = "job") -> Validation:
+    """The model calibrated from a finished job, replayed on the job's own failures.
+
+    The model takes the job's per-event costs (step time, blocking per checkpoint, upload,
+    startup, restart per failure kind, shutdown, overhead per training second); the wasted
+    training, the blocking, and so the wall time and ETT% are predicted, not copied. Each
+    failure strikes where in the job it struck (after the attempt's last step): a shared
+    machine runs one attempt faster than another, so at the same wall time the model's job
+    would be elsewhere. The replay at the failures' wall times is kept beside it.
+    """
+    if not report.finished:
+        raise ValueError(f"{label}: the job did not finish (no job_end): nothing to compare")
+    model = JobModel.from_report(report)
+    by_step = replay(model, observed_failures(report, model, by_step=True))
+    at_times = replay(model, observed_failures(report, model))
+    return Validation(label, report, by_step, at_times, model)
 
 
 def exponential_schedule(mtbf_s: float, rng: np.random.Generator) -> Iterator[float]:
