@@ -283,11 +283,11 @@ def _processes_mentioning(text: str) -> list[str]:
 
 @pytest.mark.slow
 def test_validation_of_a_real_job_with_failures(tmp_path: Path) -> None:
-    """The real trainer under torchrun, the orchestrator's attempt loop, a crash, a SIGKILL
-    and a preemption: the replay of its own failures lands within 3 ETT points."""
+    """The real trainer under torchrun, the orchestrator's attempt loop with its standby, a
+    crash (recovered in process), a SIGKILL and a preemption (each a promoted standby): the
+    replay of its own failures lands within 3 ETT points."""
     from infra.settings import dump_config
-    from tasks.launch import torchrun_command
-    from tasks.train import RetryPolicy, launch_attempt, run_attempts
+    from tasks.attempts import JobRunner, LaunchSpec, RetryPolicy
     from tests.factories import tiny_config, write_dataset
 
     config = tiny_config(
@@ -297,18 +297,15 @@ def test_validation_of_a_real_job_with_failures(tmp_path: Path) -> None:
         checkpoint={"every_steps": 100},
         faults=[
             {"kind": "crash", "step": 246, "attempt": 0},
-            {"kind": "sigkill", "step": 596, "attempt": 1},
-            {"kind": "sigterm", "step": 850, "attempt": 2},
+            {"kind": "sigkill", "step": 596, "attempt": 0},
+            {"kind": "sigterm", "step": 850, "attempt": 1},
         ],
     )
     write_dataset(config)
     path = tmp_path / "job.yaml"
     dump_config(config, path)
-    command = torchrun_command(str(path))
-    outcome = run_attempts(
-        lambda a: launch_attempt(config.job_url, command, a, None, {"OMP_NUM_THREADS": "1"}),
-        policy=RetryPolicy(max_failures=3, backoff_s=0),
-    )
+    spec = LaunchSpec(str(path), env={"OMP_NUM_THREADS": "1"})
+    outcome = JobRunner(config.job_url, spec, RetryPolicy(max_failures=3, backoff_s=0)).run()
     assert outcome.succeeded, outcome.message
     assert _processes_mentioning(str(path)) == []
 
