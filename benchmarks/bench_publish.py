@@ -3,10 +3,10 @@
 Both modes train the same tiny job under torchrun (--nproc ranks, CPU/gloo) to --steps,
 ending with an anchor checkpoint:
 
-- coupled (the baseline, lives only here): torchrun runs this file as the worker (it imports
-  the publisher at start-up); after ``trainer.train.run`` returns, rank 0 publishes the
-  anchor in the same process before the job ends (torchrun waits for it, so every rank's
-  allocation is held meanwhile);
+- coupled (the baseline, lives only in the benchmarks): torchrun runs
+  benchmarks/coupled_trainer.py on every rank (it imports the publisher at start-up); after
+  training, rank 0 publishes the anchor in the same process before the job ends (torchrun
+  waits for it, so every rank's allocation is held meanwhile);
 - decoupled (the product): the job ends at the anchor; ``python -m publish`` then runs as a
   separate CPU process (what the Prefect ``publish`` flow runs on a CPU worker).
 
@@ -41,6 +41,9 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from infra.settings import JobConfig, dump_config, load_config  # noqa: E402
+from tasks.attempts import LaunchSpec  # noqa: E402
+
+COUPLED = str(ROOT / "benchmarks" / "coupled_trainer.py")
 
 MODES = ("coupled", "decoupled")
 # Default validation bounds (the 40-step job lands within them: AUC ~0.69, mean prediction
@@ -122,18 +125,8 @@ def run_mode(mode: str, work: Path, rep: int, args: argparse.Namespace, tracking
         **PUBLISH_ENV,
         "ETT_PUBLISH_REGISTERED_MODEL": f"bench-ranker-{mode}",
     }
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={args.nproc}",
-        "--max_restarts=0",
-    ]
-    if mode == "coupled":
-        cmd = [*torchrun, str(Path(__file__).resolve()), "--coupled-worker", str(cfg_path)]
-    else:
-        cmd = [*torchrun, "-m", "trainer", "--config", str(cfg_path)]
+    program = [COUPLED] if mode == "coupled" else ["-m", "trainer"]
+    cmd = LaunchSpec(str(cfg_path), nproc=args.nproc, program=tuple(program)).commands(0, job_id)[0]
     code, start, end = run_timed(cmd, env, work / f"{job_id}.log")
     if code != 0:
         raise RuntimeError(f"{mode} job failed ({code}); see {work / f'{job_id}.log'}")
@@ -151,27 +144,6 @@ def run_mode(mode: str, work: Path, rep: int, args: argparse.Namespace, tracking
     return row
 
 
-def coupled_worker(config_path: str) -> int:
-    """torchrun worker of the coupled baseline: train, then rank 0 publishes in-job."""
-    import logging
-
-    # Imported before training, as a trainer with inline publishing would at start-up: the
-    # import cost lands in the job's wall time, not in the shutdown measured here.
-    from publish.pipeline import publish
-    from trainer.train import run
-
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s: %(message)s"
-    )
-    config = load_config(config_path)
-    code = run(config)
-    if code != 0 or int(os.environ.get("RANK", "0")) != 0:
-        return code
-    result = publish(anchor_url(config.job_url), job_id=config.job_id)
-    print(f"coupled publish: {result.registered_model} v{result.version}", flush=True)
-    return 0
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=2)
@@ -180,11 +152,7 @@ def main() -> None:
     p.add_argument("--tracking-uri", help="MLflow server (default: SQLite in the work dir)")
     p.add_argument("--work-dir", help="keep data, jobs and logs here (default: a temp dir)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "publish.json"))
-    p.add_argument("--coupled-worker", metavar="CONFIG", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.coupled_worker:
-        sys.exit(coupled_worker(args.coupled_worker))
-
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-publish-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     tracking = args.tracking_uri or f"sqlite:///{work}/mlflow.db"

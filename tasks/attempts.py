@@ -71,8 +71,10 @@ class LaunchSpec:
     nproc: int = 1
     nnodes: int = 1
     env: dict[str, str] = field(default_factory=dict)
-    # The launcher's command before its flags; tests put a stand-in for the trainer here.
+    # The launcher's command before its flags (tests put a stand-in for the trainer here),
+    # and the program it runs on every rank.
     launcher: tuple[str, ...] = ("-m", "trainer.launch")
+    program: tuple[str, ...] = ("-m", "trainer")
 
     def __post_init__(self) -> None:
         if self.nproc < 1 or self.nnodes < 1:
@@ -87,7 +89,7 @@ class LaunchSpec:
             "--max-restarts=0",
         ]  # restarts are the orchestrator's: it accounts for them
         if self.nnodes == 1:
-            return [[*base, "--standalone", "-m", "trainer", "--config", self.config_path]]
+            return [[*base, "--standalone", *self.program, "--config", self.config_path]]
         rdzv = [
             f"--nnodes={self.nnodes}",
             "--rdzv-backend=c10d",
@@ -95,7 +97,7 @@ class LaunchSpec:
             f"--rdzv-id={run_id}",
         ]
         return [
-            [*base, *rdzv, f"--node-rank={n}", "-m", "trainer", "--config", self.config_path]
+            [*base, *rdzv, f"--node-rank={n}", *self.program, "--config", self.config_path]
             for n in range(self.nnodes)
         ]
 

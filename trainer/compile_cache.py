@@ -9,11 +9,14 @@ Layout under ``<cache root>/<key>/`` (any fsspec URL, via infra.storage)::
     manifest.json           key, what the key was made of, file names + sizes + sha256;
                             written LAST: a reader only ever sees complete caches
 
-Why both: MegaCache bytes alone, loaded into an empty dir, still rebuild the C++ .so
-(DESIGN.md); the dir snapshot alone would miss artifacts kept out of the dir. The key hashes
+Why both: MegaCache bytes alone, loaded into an empty dir, still rebuild the C++ .so; the dir
+snapshot alone would miss artifacts kept out of the dir. The key hashes
 everything that makes compiled code reusable: torch/triton/python versions, device kind (CPU
 ISA or GPU name + capability), the model-shape hash (``JobConfig.model_hash()``) and the
-compile options. Loading happens before anything compiles; a missing, mismatched or corrupt
+compile options. The manifest also keeps the result of inductor's C++ vector-ISA check (a
+compile and a dlopen in a fresh interpreter per ISA, seconds on a small host): a process that
+loads the cache reuses it instead of probing again (trainer/compiled.py ``settle_vec_isa``).
+Loading happens before anything compiles; a missing, mismatched or corrupt
 cache is skipped with a warning and never fails the job. Saving runs on a background thread.
 """
 
@@ -136,6 +139,7 @@ class CacheResult:
     bytes: int = 0
     detail: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    vec_isa_ok: bool | None = None  # the C++ vector-ISA check of the process that saved it
 
     def attrs(self, prefix: str) -> dict[str, Any]:
         out = {
@@ -220,7 +224,7 @@ class CompileCache:
             info = torch.compiler.load_cache_artifacts(blob) if blob else None
             size = sum(int(e["size"]) for e in files.values())
         loaded = {} if info is None else {k: len(v) for k, v in info.artifacts.items()}
-        return CacheResult("hit", bytes=size, info=loaded)
+        return CacheResult("hit", bytes=size, info=loaded, vec_isa_ok=manifest.get("vec_isa_ok"))
 
     # -- save -------------------------------------------------------------------------------
     def save(self) -> CacheResult:
@@ -272,6 +276,7 @@ class CompileCache:
             "created": time.time(),
             "files": files,
             "inductor_files": count,
+            "vec_isa_ok": torch._inductor.config.cpp.vec_isa_ok,
         }
         storage.write_text(storage.join(self.url, MANIFEST), json.dumps(manifest, indent=2))
         self._prune({f["name"] for f in files.values()})

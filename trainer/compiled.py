@@ -68,7 +68,26 @@ def compile_options() -> dict[str, Any]:
         "target": DenseInteraction.__qualname__,
         "unbacked": batch_sources(),
         "dtype": "float32",
+        "vec_isa_ok": "settled",  # see settle_vec_isa: part of inductor's own cache keys
     }
+
+
+def settle_vec_isa(known: bool | None) -> bool:
+    """Fix inductor's C++ vector-ISA check before anything compiles: reuse ``known`` (what
+    the process that saved the compile cache found), else run the check once here.
+
+    The check compiles a test file and loads it in a fresh interpreter per candidate ISA;
+    repeated in every process it is a large part of a warm start on a small CPU host.
+    Setting the flag in every process, cold or warm, keeps inductor's cache keys (which
+    include it) equal, so the warm process still hits the cold one's graphs."""
+    from torch._inductor import config as inductor_config
+
+    if known is None:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        known = bool(pick_vec_isa())
+    inductor_config.cpp.vec_isa_ok = known
+    return known
 
 
 def configure(job_id: str | None) -> None:

@@ -279,11 +279,15 @@ class Initializer:
             root = compile_cache.cache_root(self.config)
             state.cache = compile_cache.CompileCache(root, self._key_parts, local_dir)
         state.watcher = compiled.RecompileWatcher(self.ledger).install()
-        if state.cache is None:
+        if state.cache is not None:
+            state.load = state.cache.load()
+            attrs.update(state.load.attrs("cache"), cache_key=state.cache.key)
+        else:
             attrs["cache_status"] = "off"
-            return
-        state.load = state.cache.load()
-        attrs.update(state.load.attrs("cache"), cache_key=state.cache.key)
+        if self.device.type == "cpu":
+            known = state.load.vec_isa_ok if state.load is not None else None
+            attrs["vec_isa_ok"] = compiled.settle_vec_isa(known)
+            attrs["vec_isa_reused"] = known is not None
 
     def compile(self, attrs: dict[str, Any]) -> None:
         state = self.compile_state

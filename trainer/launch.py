@@ -113,7 +113,9 @@ def run(argv: Sequence[str]) -> int:
         )
     if args.master_port is None:
         args.master_port = 29500
-    fork = args.start_method == START_FORK and _can_fork()
+    # Only the trainer itself can be forked from here (it is what this process imported).
+    trainer = bool(args.module) and args.training_script == "trainer"
+    fork = args.start_method == START_FORK and trainer and _can_fork()
     if not fork:
         args.start_method = "spawn"
     config, cmd, cmd_args = torchrun.config_from_args(args)

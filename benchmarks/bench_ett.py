@@ -1,0 +1,295 @@
+"""The headline: the same job with the same failures, without and with what this product does.
+
+Both runs go through the ``train`` flow (flows/train_flow.py), one after the other, on the
+same data (the demo click log), seed and step count, with the same failures at the same steps:
+a crash at 24% of the steps, a SIGKILL of the rank at 50% and a preemption (SIGTERM) at 76%.
+Both use the same retry policy and ``--backoff-s``, so the difference is the mechanisms.
+
+- **baseline** (what a team gets without this product):
+  synchronous checkpoints every ``BASELINE_EVERY_STEPS`` = 100 steps; a cold compile in every
+  attempt (no compile cache); init stages one after another; a new torchrun per failure (no
+  warm standby, no in-process restart) whose ranks are fresh interpreters; evaluation in the
+  training loop; the anchor published inside the job (benchmarks/coupled_trainer.py).
+- **optimized**: the defaults (async staged checkpoints at the advisor's interval, the shared
+  compile cache, parallel init, forked ranks, warm standby, in-process restart, the side
+  evaluator, publishing as its own flow run after the job). The compile cache is warmed by a
+  short job under the same storage root first, as every job after the first one finds it.
+
+A failure strikes the attempt that reaches its step: in the baseline each failure ends an
+attempt (attempts 0, 1, 2); in the optimized run the crash is recovered inside attempt 0, so
+the SIGKILL also lands in attempt 0 and the preemption in attempt 1.
+
+    .venv/bin/python benchmarks/bench_ett.py [--steps 5000] [--only optimized]
+
+Writes benchmarks/results/ett.json, ett.md and ett.png (the wall time of both runs by
+bucket), and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from infra.ett import BUCKETS, EttReport, report_for_job  # noqa: E402
+from infra.settings import dump_config, load_config  # noqa: E402
+
+VARIANTS = ("baseline", "optimized")
+BASELINE_EVERY_STEPS = 100
+SCHEDULE = (("crash", 0.24), ("sigkill", 0.50), ("sigterm", 0.76))  # kind, share of steps
+# The attempt each failure lands in, per variant (see the module docstring).
+ATTEMPTS = {"baseline": (0, 1, 2), "optimized": (0, 0, 1)}
+OUT = ROOT / "benchmarks" / "results"
+
+
+def faults(variant: str, steps: int) -> list[dict[str, Any]]:
+    return [
+        {"kind": kind, "step": round(share * steps), "attempt": attempt}
+        for (kind, share), attempt in zip(SCHEDULE, ATTEMPTS[variant], strict=True)
+    ]
+
+
+def overrides(variant: str, work: Path, steps: int) -> dict[str, Any]:
+    common = {
+        "job_id": f"ett-{variant}",
+        "storage": {"root": f"file://{work}/{variant}/store"},
+        "data": {"url": f"file://{work}/data"},
+        "train": {"steps": steps},
+        "tracking": {"mlflow_uri": f"sqlite:///{work}/mlflow.db", "experiment": "bench-ett"},
+    }
+    if variant == "optimized":
+        return common
+    return {
+        **common,
+        "train": {
+            "steps": steps,
+            "compile_cache": False,  # every attempt compiles cold
+            "parallel_init": False,
+            "eval": "inline",
+        },
+        "checkpoint": {"mode": "sync", "every_steps": BASELINE_EVERY_STEPS},
+        "recovery": {"standby": False, "in_process_restart": False},
+    }
+
+
+def launch_spec(variant: str):  # noqa: ANN201 - a LaunchSpec factory for the flow
+    """The baseline's ranks are fresh interpreters running the coupled trainer."""
+    from tasks.attempts import LaunchSpec
+
+    if variant == "optimized":
+        return LaunchSpec
+    program = (str(ROOT / "benchmarks" / "coupled_trainer.py"),)
+    launcher = ("-m", "trainer.launch", "--start-method=spawn")
+    return functools.partial(LaunchSpec, launcher=launcher, program=program)
+
+
+def run_variant(variant: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    import flows.train_flow as train_module
+
+    path = work / f"{variant}.yaml"
+    dump_config(load_config(**overrides(variant, work, args.steps)), path)
+    original = train_module.LaunchSpec
+    train_module.LaunchSpec = launch_spec(variant)
+    try:
+        t0 = time.monotonic()
+        result = train_module.train_flow(
+            config=str(path), faults=faults(variant, args.steps), backoff_s=args.backoff_s
+        )
+        flow_s = time.monotonic() - t0
+    finally:
+        train_module.LaunchSpec = original
+    report = report_for_job(result["job_url"])
+    row = summarize(variant, report)
+    row["flow_s"] = round(flow_s, 1)
+    row["attempts"] = result["attempts"]
+    if variant == "optimized" and result["anchor"]:
+        from flows.publish_flow import publish_flow
+
+        t0 = time.monotonic()
+        publish_flow(
+            uri=result["anchor"]["uri"],
+            step=result["anchor"]["step"],
+            job_id=result["job_id"],
+            mlflow_run_id=result["mlflow_run_id"],
+        )
+        row["publish_after_job_s"] = round(time.monotonic() - t0, 1)
+    return row
+
+
+def summarize(variant: str, r: EttReport) -> dict[str, Any]:
+    lost = r.wall_s - r.buckets["effective_training"]
+    return {
+        "variant": variant,
+        "ett_pct": round(r.ett_pct, 2),
+        "idleness_pct": round(r.idleness_pct, 2),
+        "failure_pct": round(r.failure_pct, 2),
+        "wall_s": round(r.wall_s, 2),
+        "lost_s": round(lost, 2),
+        "buckets_s": {b: round(r.buckets[b], 3) for b in BUCKETS},
+        "buckets_pct": {b: round(v, 2) for b, v in r.bucket_pct().items()},
+        "time_to_start_s": r.time_to_start_s,
+        "time_to_recover_s": [
+            {"cause": f.cause, "in_process": f.in_process, "seconds": round(f.time_to_recover_s, 3)}
+            for f in r.failures
+        ],
+        "checkpoint_blocking_s": round(r.checkpoint_blocking_total_s, 3),
+        "checkpoints_committed": r.num_checkpoints_committed,
+        "checkpoint_interval_s": r.checkpoint_interval_s,
+        "unsaved_training_s": round(r.observed_unsaved_s, 3),
+        "shutdown_s": round(r.buckets["shutdown"], 3),
+        "step_time_median_s": r.step_time_median_s,
+        "steps": r.num_steps,
+        "step_executions": r.num_step_executions,
+    }
+
+
+def prewarm(work: Path) -> None:
+    """A short job under the optimized storage root fills the shared compile cache."""
+    from flows.train_flow import train_flow
+
+    cfg = load_config(**overrides("optimized", work, 30))
+    cfg = cfg.model_copy(update={"job_id": "ett-prewarm"})
+    path = work / "prewarm.yaml"
+    dump_config(cfg, path)
+    train_flow(config=str(path))
+
+
+def markdown(rows: list[dict[str, Any]], ratio: float | None) -> str:
+    by = {r["variant"]: r for r in rows}
+    cols = [v for v in VARIANTS if v in by]
+    lines = [
+        "| | " + " | ".join(cols) + " |",
+        "|---|" + "---:|" * len(cols),
+    ]
+
+    def row(label: str, fn) -> None:  # noqa: ANN001
+        lines.append(f"| {label} | " + " | ".join(fn(by[c]) for c in cols) + " |")
+
+    row("**ETT%**", lambda r: f"**{r['ett_pct']:.1f}**")
+    row("Idleness%", lambda r: f"{r['idleness_pct']:.1f}")
+    row("Failure%", lambda r: f"{r['failure_pct']:.1f}")
+    row("wall time (s)", lambda r: f"{r['wall_s']:.1f}")
+    row("lost time (s)", lambda r: f"{r['lost_s']:.1f}")
+    for b in BUCKETS:
+        row(f"{b} (s)", lambda r, b=b: f"{r['buckets_s'][b]:.1f}")
+    row("Time to Start (s)", lambda r: f"{r['time_to_start_s']:.1f}")
+    row(
+        "Time to Recover per failure (s)",
+        lambda r: ", ".join(
+            f"{f['cause']}{' (in process)' if f['in_process'] else ''} {f['seconds']:.1f}"
+            for f in r["time_to_recover_s"]
+        ),
+    )
+    row(
+        "checkpoints / blocking (s)",
+        lambda r: f"{r['checkpoints_committed']} / {r['checkpoint_blocking_s']:.1f}",
+    )
+    row("unsaved (redone) training (s)", lambda r: f"{r['unsaved_training_s']:.1f}")
+    if ratio is not None:
+        lines.append(f"\nLost time, baseline / optimized: **{ratio:.1f}x**")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from infra.ett_report import COLORS
+
+    fig, ax = plt.subplots(figsize=(10, 2.8))
+    for i, r in enumerate(rows):
+        left = 0.0
+        for b in BUCKETS:
+            width = r["buckets_s"][b]
+            if width <= 0:
+                continue
+            label = (
+                b
+                if i == 0 or b not in {x for x in BUCKETS if rows[0]["buckets_s"][x] > 0}
+                else None
+            )
+            ax.barh(i, width, left=left, color=COLORS[b], label=label)
+            left += width
+        ax.text(left + 2, i, f"ETT {r['ett_pct']:.1f}%", va="center")
+    ax.set_yticks(range(len(rows)), [r["variant"] for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("wall time (s)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=5, frameon=False)
+    ax.set_title("Where the wall time of the same job went")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=5000)
+    parser.add_argument("--backoff-s", type=float, default=2.0)
+    parser.add_argument("--only", choices=VARIANTS)
+    parser.add_argument("--work-dir", help="keep data and jobs here (default: a temp dir)")
+    parser.add_argument("--out", default=str(OUT))
+    args = parser.parse_args()
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-ett-")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    data = load_config(data={"url": f"file://{work}/data"})
+    if not (work / "data" / "_meta.json").exists():
+        from trainer.data.synthetic import generate
+
+        generate(data.data, data.data.url)
+    variants = [args.only] if args.only else list(VARIANTS)
+    rows = []
+    started = time.time()
+    for variant in variants:
+        if variant == "optimized":
+            prewarm(work)
+        rows.append(run_variant(variant, work, args))
+        print(f"# {variant}: ETT {rows[-1]['ett_pct']:.1f}%", flush=True)
+    by = {r["variant"]: r for r in rows}
+    ratio = None
+    if len(rows) == 2 and by["optimized"]["lost_s"] > 0:
+        ratio = by["baseline"]["lost_s"] / by["optimized"]["lost_s"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "benchmark": "ett",
+        "steps": args.steps,
+        "schedule": {v: faults(v, args.steps) for v in variants},
+        "backoff_s": args.backoff_s,
+        "baseline_checkpoint_every_steps": BASELINE_EVERY_STEPS,
+        "lost_time_ratio": None if ratio is None else round(ratio, 2),
+        "rows": rows,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_avg": os.getloadavg(),
+        },
+        "started": started,
+        "minutes": round((time.time() - started) / 60, 1),
+    }
+    suffix = f"-{args.only}" if args.only else ""
+    (out / f"ett{suffix}.json").write_text(json.dumps(result, indent=2))
+    table = markdown(rows, ratio)
+    (out / f"ett{suffix}.md").write_text(table + "\n")
+    plot(rows, out / f"ett{suffix}.png")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
