@@ -15,7 +15,6 @@ import tempfile
 from dataclasses import dataclass
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from infra import storage
@@ -24,6 +23,7 @@ from publish.settings import PublishError
 from trainer.checkpoint.manifest import MANIFEST, CheckpointError, CommittedCheckpoint, Manifest
 from trainer.checkpoint.restore import fetch
 from trainer.model import RankingModel
+from trainer.unsharded import cpu_model, load_model_weights
 
 log = logging.getLogger(__name__)
 
@@ -139,11 +139,9 @@ def load(ref: AnchorRef, config: JobConfig, workdir: str) -> LoadedAnchor:
         raise PublishError(f"refusing to publish: {exc}") from exc
     except OSError as exc:
         raise PublishError(f"cannot download checkpoint {ref.uri}: {exc}") from exc
-    model = RankingModel(config.data, config.model, device=torch.device("cpu"))
-    state = {"model": model.state_dict()}
+    model = cpu_model(config)
     try:
-        dcp.load(state, checkpoint_id=local, no_dist=True)
-        model.load_state_dict(state["model"])
+        load_model_weights(local, model)
     except (CheckpointException, RuntimeError, ValueError, KeyError, OSError) as exc:
         # DCP wraps a reader's error in CheckpointException, a BaseException.
         raise PublishError(
