@@ -297,7 +297,7 @@ def _shutdown(
 def _write_final_metrics(
     config: JobConfig, step: int, metrics: dict[str, float], loader_stats: dict[str, int]
 ) -> None:
-    summary = {"step": step, **metrics, **loader_stats}
+    summary = {"step": step, **metrics, "loader": loader_stats}
     url = storage.join(config.job_url, "final_metrics.json")
     try:
         storage.write_text(url, json.dumps(summary, indent=2))
