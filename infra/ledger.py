@@ -81,7 +81,6 @@ class Span(StrEnum):
     PUBLISH_EXPORT = "publish_export"
     PUBLISH_VALIDATE = "publish_validate"
     PUBLISH_REGISTER = "publish_register"
-    ASYNC_EVAL = "async_eval"  # trainer/evaluator.py, beside the job (train.eval: async)
 
 
 class Mark(StrEnum):
