@@ -78,4 +78,54 @@ def run_trainer(
     )
 
 
-__all__ = ["tiny_config", "write_dataset", "run_trainer", "trainer_command"]
+def checkpoint_tensors(ckpt_url: str) -> dict[str, Any]:
+    """Every tensor of a DCP checkpoint, unsharded, in one process (public DCP API only)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from infra import storage
+
+    path = storage.local_path(ckpt_url)
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
+    }
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state
+
+
+def assert_bit_identical(clean: JobConfig, faulted: JobConfig, steps: int) -> None:
+    """Both jobs' anchors are at ``steps`` and hold exactly the same tensors."""
+    import torch
+
+    from infra.checkpoints import committed_checkpoints
+
+    [a, b] = [committed_checkpoints(c.job_url)[0] for c in (clean, faulted)]
+    assert a.step == b.step == steps and a.manifest.anchor and b.manifest.anchor
+    left, right = checkpoint_tensors(a.url), checkpoint_tensors(b.url)
+    assert left.keys() == right.keys()
+    assert any(k.startswith("optim.") for k in left), "optimizer state must be checkpointed"
+    differing = [k for k in left if not torch.equal(left[k], right[k])]
+    assert differing == [], f"not bit-identical: {differing[:5]}"
+
+
+def resume_marks(config: JobConfig) -> list[tuple[int, int, bool]]:
+    """(attempt, step, in_process) of every resume mark of rank 0, in order."""
+    from infra.ledger import Mark, read_events
+
+    marks = [e for e in read_events(config.job_url) if e.name == Mark.RESUME and e.rank == 0]
+    return [(e.attempt, e.step, bool(e.attrs.get("in_process"))) for e in marks]
+
+
+__all__ = [
+    "assert_bit_identical",
+    "checkpoint_tensors",
+    "resume_marks",
+    "run_trainer",
+    "tiny_config",
+    "trainer_command",
+    "write_dataset",
+]

@@ -12,32 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from infra import storage
 from infra.exit_codes import Outcome
 from infra.ledger import Mark, read_events
 from infra.settings import JobConfig, dump_config
 from tasks.attempts import JobOutcome, JobRunner, LaunchSpec, RetryPolicy, Timeouts
-from tests.factories import tiny_config, write_dataset
-from trainer.checkpoint.manifest import committed_checkpoints
+from tests.factories import assert_bit_identical, resume_marks, tiny_config, write_dataset
 
 EVERY = 5
-
-
-def load_flat(ckpt_url: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a DCP checkpoint, unsharded, in one process (public DCP API only)."""
-    path = storage.local_path(ckpt_url)
-    metadata = dcp.FileSystemReader(path).read_metadata()
-    state = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.state_dict_metadata.items()
-        if isinstance(meta, TensorStorageMetadata)
-    }
-    dcp.load(state, checkpoint_id=path, no_dist=True)
-    return state
 
 
 def run_job(config: JobConfig, tmp_path: Path, nproc: int, standby: bool) -> JobOutcome:
@@ -53,22 +35,6 @@ def run_job(config: JobConfig, tmp_path: Path, nproc: int, standby: bool) -> Job
         standby=standby,
     )
     return runner.run()
-
-
-def assert_bit_identical(clean: JobConfig, faulted: JobConfig, steps: int) -> None:
-    [a, b] = [committed_checkpoints(c.job_url)[0] for c in (clean, faulted)]
-    assert a.step == b.step == steps and a.manifest.anchor and b.manifest.anchor
-    left, right = load_flat(a.url), load_flat(b.url)
-    assert left.keys() == right.keys()
-    assert any(k.startswith("optim.") for k in left), "optimizer state must be checkpointed"
-    differing = [k for k in left if not torch.equal(left[k], right[k])]
-    assert differing == [], f"not bit-identical: {differing[:5]}"
-
-
-def resumes(config: JobConfig) -> list[tuple[int, int, bool]]:
-    """(attempt, step, in_process) of every resume mark of rank 0, in order."""
-    marks = [e for e in read_events(config.job_url) if e.name == Mark.RESUME and e.rank == 0]
-    return [(e.attempt, e.step, bool(e.attrs.get("in_process"))) for e in marks]
 
 
 SECTIONS = {
@@ -94,7 +60,7 @@ def test_relaunched_after_sigkills_is_bit_identical(tmp_path, nproc: int) -> Non
     assert_bit_identical(clean, killed, 25)
     # Each relaunch resumed from a COMMITTED checkpoint before its kill; a kill mid-upload of
     # step 10 left step 10 uncommitted, so attempt 1 resumed from step 5.
-    got = resumes(killed)
+    got = resume_marks(killed)
     assert [(a, in_proc) for a, _, in_proc in got] == [(1, False), (2, False)]
     assert got[0][1] == 5 and got[1][1] in (10, 15)
 
@@ -116,7 +82,7 @@ def test_standby_promotion_and_in_process_restart_are_bit_identical(tmp_path) ->
     got = [(a.outcome, a.from_standby) for a in outcome.attempts]
     assert got == [(Outcome.SIGKILL, False), (Outcome.PREEMPTED, True), (Outcome.SUCCESS, True)]
     assert_bit_identical(clean, faulted, 25)
-    marks = resumes(faulted)
+    marks = resume_marks(faulted)
     assert marks[0] == (0, 5, True)  # the crash at step 8: step 5 was the newest commit
     assert marks[1][:2] in ((1, 10), (1, 15)) and not marks[1][2]  # promoted after step 16
     # SIGTERM landed in step 21; the ranks agree one step later (no barrier on the hot
@@ -138,4 +104,4 @@ def test_compiled_step_resumes_bit_identical(tmp_path) -> None:
     outcome = run_job(killed, tmp_path, 1, standby=False)
     assert [a.outcome for a in outcome.attempts] == [Outcome.SIGKILL, Outcome.SUCCESS]
     assert_bit_identical(clean, killed, 15)
-    assert resumes(killed) in ([(1, 10, False)], [(1, 5, False)])
+    assert resume_marks(killed) in ([(1, 10, False)], [(1, 5, False)])
