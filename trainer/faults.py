@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import signal
 import time
 
@@ -19,18 +18,6 @@ log = logging.getLogger(__name__)
 
 class InjectedCrash(RuntimeError):
     """Raised by a ``crash`` fault: an ordinary Python exception that kills the attempt."""
-
-
-def random_schedule(
-    seed: int, steps: int, count: int, kinds: tuple[str, ...] = ("crash", "sigkill", "sigterm")
-) -> tuple[FaultConfig, ...]:
-    """``count`` faults at random steps, one per attempt in order, reproducible from ``seed``."""
-    rng = random.Random(seed)
-    at = sorted(rng.sample(range(1, steps), count))
-    return tuple(
-        FaultConfig(kind=rng.choice(kinds), step=step, attempt=attempt)  # type: ignore[arg-type]
-        for attempt, step in enumerate(at)
-    )
 
 
 # Faults that fire inside the checkpoint of their step, at the named phase.
@@ -60,9 +47,10 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
-        if fault.kind == "hang":
+        if fault.kind == "hang":  # stuck, but still talking: output is not progress
             while True:
-                time.sleep(3600)
+                log.warning("injected hang at step %d: still here, not stepping", step)
+                time.sleep(0.5)
 
     def at_checkpoint_phase(self, phase: str, step: int) -> None:
         """Called by the checkpointer (possibly from its upload thread)."""

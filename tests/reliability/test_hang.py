@@ -1,0 +1,74 @@
+"""A hang under torchrun with two ranks: rank 0 stops stepping but keeps printing (output is
+not progress), rank 1 blocks in the next collective. The orchestrator kills the attempt for
+lack of progress, every rank of it is gone afterwards, and the job finishes on the next one."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+
+from infra import processes
+from infra.exit_codes import Outcome
+from infra.ledger import Mark, read_events
+from infra.settings import dump_config
+from tasks.attempts import JobRunner, LaunchSpec, RetryPolicy, Timeouts
+from tests.factories import tiny_config, write_dataset
+
+
+class _Collect(logging.Handler):
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__()
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _job_pids(config_path: str) -> list[int]:
+    out = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            mine = config_path.encode() in (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if mine and processes.pid_alive(int(proc.name)):
+            out.append(int(proc.name))
+    return out
+
+
+@pytest.mark.slow
+def test_a_chatty_hang_of_two_ranks_is_killed_whole(tmp_path: Path) -> None:
+    config = tiny_config(
+        tmp_path,
+        job_id="hang",
+        train={"steps": 20, "log_every": 1},
+        faults=[{"kind": "hang", "step": 8, "attempt": 0}],
+    )
+    write_dataset(config)
+    path = tmp_path / "hang.yaml"
+    dump_config(config, path)
+    spec = LaunchSpec(str(path), nproc=2, env={"OMP_NUM_THREADS": "1"})
+    timeouts = Timeouts(hang_s=6.0, startup_s=300.0, grace_s=3.0)
+    lines: list[str] = []
+    log = logging.getLogger("test-hang")
+    log.addHandler(_Collect(lines))
+    log.setLevel(logging.INFO)
+    runner = JobRunner(
+        config.job_url, spec, RetryPolicy(backoff_s=0), timeouts, standby=False, log=log
+    )
+    outcome = runner.run()
+
+    assert [a.outcome for a in outcome.attempts] == [Outcome.HANG, Outcome.SUCCESS]
+    assert outcome.attempts[0].last_step == 7
+    events = read_events(config.job_url)
+    failure = next(e for e in events if e.name == Mark.FAILURE)
+    assert failure.attrs["cause"] == "hang" and failure.step == 7
+    # Rank 0 kept printing while it hung: the hang was detected despite the output.
+    assert sum("injected hang at step 8: still here" in line for line in lines) >= 5
+    deadline = time.monotonic() + 10
+    while _job_pids(str(path)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _job_pids(str(path)) == [], "a rank outlived its attempt"
