@@ -1,19 +1,24 @@
-"""Recovery: what each kind of failure costs a job, end to end, with the real trainer.
+"""Recovery: Time to Recover per failure kind, warm standby vs cold relaunch, side by side.
 
-Workload: a tiny job (the test factories' config, --steps steps, a checkpoint every
---every steps) run by the orchestrator's attempt loop (tasks/train.py, the same code as the
-``train`` flow, without a Prefect server) with one injected failure at --at of attempt 0:
-``crash`` (an exception), ``sigkill`` (a lost worker), ``sigterm`` (a preemption: the
-trainer checkpoints at the step boundary and exits 83), ``hang`` (no progress: killed after
---hang-timeout s; the timeout also covers the trainer's silent start-up, imports and
-torchrun, so it cannot be small). Backoff 0, so the numbers are the mechanism's own.
+Workload: the demo model and data (embedded defaults), ``--nproc`` ranks, ``--steps`` steps,
+one failure at ``--at`` of attempt 0, run by the orchestrator's attempt loop (tasks/attempts.py,
+the code of the ``train`` flow and ``ett train``) with backoff 0. Every job shares one storage
+root, so every attempt but the very first loads a warm compile cache. Kinds:
 
-Per kind, from the job's ETT report (infra/ett.py): detection latency (the failed attempt's
-last event -> the orchestrator saw it die), Time to Recover (-> first step of the next
-attempt), redone (wasted) steps and seconds, and ETT%. A preemption redoes no steps; a crash
-or SIGKILL redoes up to one checkpoint interval; a hang adds the timeout to detection.
+- ``crash``: an exception in a step, on every rank;
+- ``sigkill_rank``: SIGKILL of one rank (a lost worker);
+- ``sigkill_attempt``: SIGKILL of the whole attempt (agent and ranks) from outside;
+- ``preemption``: SIGTERM: the ranks checkpoint at the step boundary and exit 83;
+- ``hang``: rank 0 stops stepping; killed after ``--hang-timeout`` (plus the kill's grace).
 
-    .venv/bin/python benchmarks/bench_recovery.py [--kinds crash,sigkill,sigterm,hang]
+Modes: ``standby`` is the default product (warm standby promoted on a failure, a crash
+recovered in process); ``cold`` relaunches a new torchrun per failure (no standby, no
+in-process restart). Kinds and modes are interleaved per repeat; medians over ``--repeats``.
+
+Time to Recover comes from the job's ETT report (infra/ett.py): from the failed attempt's
+last event (or the in-process restart mark) to the first step of the training that follows.
+
+    .venv/bin/python benchmarks/bench_recovery.py [--repeats 3] [--kinds crash,preemption]
 
 Prints a markdown table and writes benchmarks/results/recovery.json.
 """
@@ -23,88 +28,187 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import signal
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(ROOT))
 
+from infra import processes  # noqa: E402
+from infra.control import Phase, Progress  # noqa: E402
 from infra.ett import report_for_job  # noqa: E402
-from infra.settings import dump_config  # noqa: E402
-from tasks.launch import torchrun_command  # noqa: E402
-from tasks.train import RetryPolicy, launch_attempt, run_attempts  # noqa: E402
-from tests.factories import tiny_config, write_dataset  # noqa: E402
+from infra.settings import JobConfig, dump_config, load_config  # noqa: E402
+from tasks.attempts import JobRunner, LaunchSpec, RetryPolicy, Timeouts  # noqa: E402
+
+KINDS = ("crash", "sigkill_rank", "sigkill_attempt", "preemption", "hang")
+MODES = ("standby", "cold")
+FAULT = {"crash": "crash", "sigkill_rank": "sigkill", "preemption": "sigterm", "hang": "hang"}
 
 
-def one(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, float | int | str]:
-    config = tiny_config(
-        tmp,
-        job_id=f"bench-{kind}",
-        train={"steps": args.steps, "log_every": 5},
-        checkpoint={"every_steps": args.every},
-        faults=[{"kind": kind, "step": args.at}],
+def job_config(work: Path, kind: str, mode: str, rep: int, args: argparse.Namespace) -> JobConfig:
+    faults = [{"kind": FAULT[kind], "step": args.at}] if kind in FAULT else []
+    cold = mode == "cold"
+    return load_config(
+        job_id=f"recovery-{kind}-{mode}-{rep}",
+        storage={"root": f"file://{work}/store"},
+        data={"url": f"file://{work}/data"},
+        train={"steps": args.steps, "eval": "off"},
+        recovery={"standby": not cold, "in_process_restart": not cold},
+        faults=faults,
     )
-    path = tmp / f"{kind}.yaml"
+
+
+def kill_attempt_at(step: int, config_path: str, fired: list[int]):  # noqa: ANN201
+    """on_progress: once attempt 0 reaches ``step``, SIGKILL all of it from outside."""
+
+    def on_progress(progress: Progress) -> None:
+        if fired or progress.phase != Phase.TRAINING or progress.step < step:
+            return
+        fired.append(progress.step)
+        agents = [p for p in _agents(config_path) if _attempt_of(p) == "0"]
+        for agent in agents:
+            for pid in [agent, *processes.descendants(agent)]:
+                os.kill(pid, signal.SIGKILL)
+
+    return on_progress
+
+
+def _agents(config_path: str) -> list[int]:
+    """This job's torchrun agents (forked ranks share their command line: skip children)."""
+    out = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        mine = b"trainer.launch" in argv and config_path.encode() in argv
+        if mine and processes.pid_alive(int(proc.name)):
+            out.append(int(proc.name))
+    return [p for p in out if _parent(p) not in out]
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return 0
+
+
+def _attempt_of(pid: int) -> str | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((e[12:].decode() for e in env if e.startswith(b"ETT_ATTEMPT=")), None)
+
+
+def one(kind: str, mode: str, rep: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    config = job_config(work, kind, mode, rep, args)
+    path = work / f"{config.job_id}.yaml"
     dump_config(config, path)
-    command = torchrun_command(str(path))
-    env = {"OMP_NUM_THREADS": "1"}
-    start = time.perf_counter()
-    outcome = run_attempts(
-        lambda a: launch_attempt(config.job_url, command, a, args.hang_timeout, env),
-        policy=RetryPolicy(max_failures=2, backoff_s=0),
+    spec = LaunchSpec(str(path), nproc=args.nproc)
+    fired: list[int] = []
+    runner = JobRunner(
+        config.job_url,
+        spec,
+        RetryPolicy(max_failures=2, backoff_s=0),
+        Timeouts(hang_s=args.hang_timeout, startup_s=600.0, grace_s=args.grace),
+        standby=config.recovery.standby,
+        on_progress=kill_attempt_at(args.at, str(path), fired)
+        if kind == "sigkill_attempt"
+        else None,
     )
-    wall = time.perf_counter() - start
+    started = time.perf_counter()
+    outcome = runner.run()
+    wall = time.perf_counter() - started
+    if not outcome.succeeded:
+        raise RuntimeError(f"{config.job_id}: {outcome.message}")
     report = report_for_job(config.job_url)
-    f = report.failures[0]
-    wasted_steps = report.num_step_executions - report.num_steps
+    (failure,) = report.failures
     return {
         "kind": kind,
-        "outcome": " > ".join(a.outcome for a in outcome.attempts),
-        "detect_s": (f.detected_at - f.died_at) if f.detected_at is not None else float("nan"),
-        "recover_s": f.time_to_recover_s,
-        "wasted_steps": wasted_steps,
-        "wasted_s": report.observed_unsaved_s,
-        "ett_pct": report.ett_pct,
-        "wall_s": wall,
+        "mode": mode,
+        "repeat": rep,
+        "outcomes": [str(a.outcome) for a in outcome.attempts],
+        "in_process": failure.in_process,
+        "time_to_recover_s": round(failure.time_to_recover_s, 3),
+        "redone_steps": report.num_step_executions - report.num_steps,
+        "ett_pct": round(report.ett_pct, 2),
+        "job_wall_s": round(wall, 1),
     }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--kinds", default="crash,sigkill,sigterm,hang")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--every", type=int, default=10)
-    parser.add_argument("--at", type=int, default=35)
-    parser.add_argument("--hang-timeout", type=float, default=180.0)  # > silent start
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--at", type=int, default=300, help="the failing step of attempt 0")
+    parser.add_argument("--hang-timeout", type=float, default=10.0)
+    parser.add_argument("--grace", type=float, default=5.0, help="SIGTERM -> SIGKILL")
+    parser.add_argument("--work-dir")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "recovery.json"))
     args = parser.parse_args()
-    os.environ.setdefault("PYTHONPATH", str(ROOT))
+    kinds, modes = args.kinds.split(","), args.modes.split(",")
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-recovery-")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    base = load_config(data={"url": f"file://{work}/data"})
+    if not (work / "data" / "_meta.json").exists():
+        from trainer.data.synthetic import generate
+
+        generate(base.data, base.data.url)
+    # A first job fills the shared compile cache, as the first job of a storage root does.
+    one("preemption", "cold", -1, work, argparse.Namespace(**{**vars(args), "steps": 20, "at": 10}))
     rows = []
-    with tempfile.TemporaryDirectory(prefix="ett-bench-recovery-") as tmp:
-        data = tiny_config(Path(tmp))
-        write_dataset(data)
-        for kind in args.kinds.split(","):
-            rows.append(one(kind.strip(), args, Path(tmp)))
-            print(f"# {rows[-1]}", flush=True)
+    started = time.time()
+    for rep in range(args.repeats):
+        for kind in kinds:
+            for mode in modes:
+                rows.append(one(kind, mode, rep, work, args))
+                print(f"# {rows[-1]}", flush=True)
+
+    def med(kind: str, mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in rows if r["kind"] == kind and r["mode"] == mode)
+
+    summary = {
+        kind: {mode: med(kind, mode, "time_to_recover_s") for mode in modes} for kind in kinds
+    }
     print(
-        f"\nRecovery per failure kind ({args.steps} steps, checkpoint every {args.every}, "
-        f"failure at step {args.at}, backoff 0, hang timeout {args.hang_timeout:g} s)\n"
+        f"\nTime to Recover, median of {args.repeats} ({args.nproc} ranks, demo model, "
+        f"failure at step {args.at} of {args.steps}, hang timeout {args.hang_timeout:g} s)\n"
     )
-    print(
-        "| failure | attempts | detection s | time to recover s | redone steps | "
-        "redone s | ETT% | job wall s |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
+    print("| failure | standby (s) | cold relaunch (s) | cold / standby |")
+    print("|---|---:|---:|---:|")
+    for kind in kinds:
+        s, c = summary[kind].get("standby"), summary[kind].get("cold")
+        ratio = f"{c / s:.1f}x" if s and c else "-"
         print(
-            f"| {r['kind']} | {r['outcome']} | {r['detect_s']:.1f} | {r['recover_s']:.1f} | "
-            f"{r['wasted_steps']} | {r['wasted_s']:.2f} | {r['ett_pct']:.1f} | "
-            f"{r['wall_s']:.0f} |"
+            f"| {kind} | {s if s is not None else '-'} | {c if c is not None else '-'} | {ratio} |"
         )
-    out = ROOT / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "recovery.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "recovery",
+                "args": vars(args),
+                "summary": summary,
+                "rows": rows,
+                "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+                "minutes": round((time.time() - started) / 60, 1),
+            },
+            indent=2,
+        )
+    )
     return 0
 
 
