@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import tempfile
 
@@ -31,6 +32,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """A job without Prefect: the same attempts, standby, retries and hang detection as the
     ``train`` flow; exits with the last attempt's code (0 once the job succeeded)."""
@@ -42,17 +47,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = _config(args)
     storage.configure(config.storage)
     policy = RetryPolicy(max_failures=args.max_failures, backoff_s=args.backoff_s)
+    # Stopped from outside (SIGTERM, Ctrl-C): the attempt is preempted (it checkpoints) and
+    # the standby released before this process goes.
+    signal.signal(signal.SIGTERM, _interrupt)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "job.yaml")
         dump_config(config, path)
         spec = LaunchSpec(path, nproc=args.nproc, nnodes=args.nnodes)
-        outcome = run_job(
-            config,
-            spec,
-            policy,
-            timeouts_for(config, args.hang_timeout_s),
-            next_attempt(config.job_url),
-        )
+        try:
+            outcome = run_job(
+                config,
+                spec,
+                policy,
+                timeouts_for(config, args.hang_timeout_s),
+                next_attempt(config.job_url),
+            )
+        except KeyboardInterrupt:
+            print("stopped: the running attempt was preempted", file=sys.stderr)
+            return 128 + signal.SIGTERM
     print(outcome.message)
     return 0 if outcome.succeeded else outcome.attempts[-1].exit_code
 

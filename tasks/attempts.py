@@ -183,21 +183,24 @@ class AttemptProcess:
         """The attempt's exit code once it is over, None while it runs.
 
         Over means: every agent exited (0 when all succeeded), or one agent failed (the
-        other nodes cannot go on without it), or a rank died of anything but a preemption:
-        its code (from its exit file, 128 + SIGKILL when it left none) is known before
-        torchrun's agent has noticed. Preempted ranks are all still checkpointing: their
-        attempt is over when the agents are."""
+        other nodes cannot go on without it), or a rank died of anything but a preemption
+        (its code from its exit file, 128 + SIGKILL when it left none), or every rank has
+        exited: the ranks' own records tell before torchrun's agents have noticed and torn
+        down. Preempted ranks may still be checkpointing: the attempt waits for all of them.
+        """
         codes = [p.poll() for p in self.procs]
         failed = [c for c in codes if c not in (None, 0)]
         if failed:
             return failed[0]
         if all(c == 0 for c in codes):
             return 0
-        for control in self.controls:
-            for pid, code in control.ranks().values():
-                if code in (0, ExitCode.PREEMPTED) or processes.pid_alive(pid):
-                    continue
+        ranks = [r for control in self.controls for r in control.ranks().values()]
+        ended = [(pid, code) for pid, code in ranks if not processes.pid_alive(pid)]
+        for _, code in ended:
+            if code not in (0, ExitCode.PREEMPTED):
                 return 128 + signal.SIGKILL if code is None else code
+        if ranks and len(ended) == self.spec.nproc * self.spec.nnodes:
+            return next((code for _, code in ended if code), 0)
         return None
 
     def track(self) -> None:

@@ -4,11 +4,12 @@ Runs under torchrun (``python -m trainer.launch``, any number of processes) or a
 never imports Prefect: the orchestrator reads its exit code (infra/exit_codes.py), its ledger
 and the progress it reports on its control channel (infra/control.py).
 
-The loop, step by step: agree on a preemption (SIGTERM) without stopping the ranks, let the
-previous checkpoint's staging copy finish before the weights change, run the step (an
-exception in it is recovered in process, trainer/restart.py), report progress, evaluate
-(in the loop, or by the side evaluator from the checkpoint forced at eval steps), and
-checkpoint when the interval policy says so (trainer/checkpoint/interval.py).
+The loop, step by step: agree on a preemption (SIGTERM) and on a checkpoint chosen by the
+clock without stopping the ranks (trainer/consensus.py), let the previous checkpoint's
+staging copy finish before the weights change, run the step (an exception in it is
+recovered in process, trainer/restart.py), report progress, evaluate (in the loop, or by the
+side evaluator from the checkpoint forced at eval steps), and checkpoint when the step count
+says so (trainer/checkpoint/interval.py).
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.interval import FailureHistory, IntervalPolicy
 from trainer.checkpoint.manifest import CheckpointError
 from trainer.checkpoint.state import app_state
+from trainer.consensus import StepConsensus
 from trainer.data.batch import Batch
 from trainer.data.loader import DataError
-from trainer.distributed import DistEnv
 from trainer.evaluation import evaluate
 from trainer.init_stages import Components, Initializer, StandbyReleased
 from trainer.model import batch_to_kjts
@@ -53,36 +54,16 @@ ENV_JOB_STARTED = "ETT_JOB_STARTED_AT"  # Unix time of the job's first attempt
 
 @dataclass
 class Preemption:
-    """SIGTERM sets the flag; every rank stops at the same step boundary.
-
-    The ranks agree without a barrier on the hot path: each step posts a non-blocking
-    all-reduce of the local flag on a CPU group and reads the previous step's result, which
-    has long arrived, so the host never waits for the slowest rank here. A SIGTERM is acted
-    on one step after it lands, on every rank at the same step.
-    """
+    """SIGTERM sets the flag; the ranks agree to stop at a step boundary (trainer/consensus.py)."""
 
     requested: bool = False
     at: float | None = None
-    _work: Any = None
-    _flag: torch.Tensor | None = None
 
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.requested, self.at = True, time.time()
-
-    def agreed(self, env: DistEnv, group: dist.ProcessGroup) -> bool:
-        """True on every rank once any rank was told to stop (same step everywhere)."""
-        if env.world_size == 1:
-            return self.requested
-        if self._work is not None:
-            self._work.wait()
-            if self._flag is not None and bool(self._flag.item()):
-                return True
-        self._flag = torch.tensor([int(self.requested)])
-        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        return False
 
 
 @dataclass
@@ -196,12 +177,18 @@ def _train(
         checkpointer.save(step, snapshot)
         policy.saved(time.perf_counter() - t0)
 
+    consensus = StepConsensus(env.world_size, parts.control_group)
     stats = LoopStats()
-    step = parts.start_step
+    step = last_saved = parts.start_step
     try:
         while step < config.train.steps:
-            if preemption.agreed(env, parts.control_group):
+            by_clock = env.is_main and step > last_saved and policy.due_by_clock()
+            agreed = consensus.exchange(preemption.requested, by_clock)
+            if agreed.preempt:
                 return _save_on_preemption(config, checkpointer, step, snapshot)
+            if agreed.checkpoint and last_saved < step < config.train.steps:
+                save(step)
+                last_saved = step
             t0 = time.perf_counter()
             if checkpointer.wait_until_staged():
                 policy.staged(time.perf_counter() - t0)
@@ -219,6 +206,7 @@ def _train(
             except Exception as exc:  # noqa: BLE001 - recovered in place, or re-raised
                 resume = restarter.recover(exc, step, model, optimizer, loader, checkpointer)
                 step, batches, pending = resume.step, iter(loader), None
+                last_saved = step
                 continue
             policy.step_done(time.perf_counter() - t0, checkpointer.commit_running)
             stats.add(loss, len(batch))
@@ -238,9 +226,10 @@ def _train(
             if eval_step and eval_mode == EvalMode.INLINE:
                 _evaluate(parts, ledger, stats, step)
             # Async eval: the side evaluator reads the checkpoint of every eval step.
-            due = policy.due(step) or (eval_step and eval_mode == EvalMode.ASYNC)
+            due = policy.due_at(step) or (eval_step and eval_mode == EvalMode.ASYNC)
             if due and step < config.train.steps and config.checkpoint.mode != CheckpointMode.OFF:
                 save(step)
+                last_saved = step
         return _shutdown(config, parts, ledger, stats, step, snapshot, eval_mode)
     finally:
         checkpointer.close()

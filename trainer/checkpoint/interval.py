@@ -86,17 +86,24 @@ class IntervalPolicy:
             self._mark(cost_s=None)
 
     # -- deciding --------------------------------------------------------------------------
-    def due(self, step: int) -> bool:
-        """Checkpoint after ``step``? The last step never is: it gets the anchor."""
+    def due_at(self, step: int) -> bool:
+        """Checkpoint after ``step`` by the step count (``every_steps: N``): every rank
+        computes the same answer. The last step never is: it gets the anchor."""
         if self.config.mode == CheckpointMode.OFF or step >= self.total_steps:
             return False
+        every = self.config.every_steps
+        return not self.auto and isinstance(every, int) and step % every == 0
+
+    def due_by_clock(self) -> bool:
+        """Checkpoint now by the clock (``auto``, ``every_seconds``)? Ranks differ in their
+        clocks: only rank 0's answer counts, agreed through trainer/consensus.py."""
+        if self.config.mode == CheckpointMode.OFF:
+            return False
         elapsed = self.clock() - self._last_save
-        if not self.auto:
-            every = self.config.every_steps
-            by_steps = isinstance(every, int) and step % every == 0
-            secs = self.config.every_seconds
-            return by_steps or (secs is not None and elapsed >= secs)
-        return self.interval_s is not None and elapsed >= self.interval_s
+        if self.auto:
+            return self.interval_s is not None and elapsed >= self.interval_s
+        secs = self.config.every_seconds
+        return secs is not None and elapsed >= secs
 
     # -- measuring -------------------------------------------------------------------------
     def saved(self, blocking_s: float) -> None:
