@@ -1,0 +1,115 @@
+"""The checkpoint interval (trainer/checkpoint/interval.py): fixed by the config, or chosen
+from what a checkpoint really costs (blocking + the slowdown of the steps its commit
+overlaps), a cost budget before failures, Young's optimum after, never below the upload."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from infra.ledger import Ledger, Mark, read_events
+from infra.settings import load_config
+from trainer.checkpoint.interval import (
+    FIRST_AUTO_CHECKPOINT_S,
+    FailureHistory,
+    IntervalPolicy,
+    IntervalReason,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def policy(tmp_path: Path, clock: Clock, history=FailureHistory(), **checkpoint) -> IntervalPolicy:  # noqa: B008
+    config = load_config(checkpoint=checkpoint).checkpoint
+    ledger = Ledger(f"file://{tmp_path}/job", clock=clock)
+    return IntervalPolicy(config, 1000, ledger, history, clock=clock)
+
+
+def one_checkpoint(p: IntervalPolicy, clock: Clock, blocking: float, slow: list[float]) -> None:
+    """A save blocking ``blocking``, then steps of 0.1 s slowed by ``slow`` while the commit
+    runs, then a quiet step: the commit ended."""
+    p.saved(blocking)
+    for extra in slow:
+        clock.t += 0.1 + extra
+        p.step_done(0.1 + extra, commit_running=True)
+    clock.t += 0.1
+    p.step_done(0.1, commit_running=False)
+
+
+def marks(tmp_path: Path) -> list[dict]:
+    p = f"file://{tmp_path}/job"
+    return [e.attrs for e in read_events(p) if e.name == Mark.CHECKPOINT_INTERVAL]
+
+
+def test_fixed_steps_are_the_same_on_every_rank_and_the_clock_is_not_asked(tmp_path: Path) -> None:
+    clock = Clock()
+    p = policy(tmp_path, clock, every_steps=5)
+    assert [s for s in range(1, 21) if p.due_at(s)] == [5, 10, 15, 20]
+    assert not p.due_at(1000)  # the last step gets the anchor instead
+    clock.t += 1e6
+    assert not p.due_by_clock()
+    assert marks(tmp_path)[0]["reason"] == IntervalReason.FIXED
+
+
+def test_auto_takes_a_first_checkpoint_soon_then_spends_the_budget(tmp_path: Path) -> None:
+    clock = Clock()
+    p = policy(tmp_path, clock, every_steps="auto", cost_budget=0.01)
+    for _ in range(5):  # steps with no commit running set the baseline (0.1 s)
+        clock.t += 0.1
+        p.step_done(0.1, commit_running=False)
+    assert not any(p.due_at(s) for s in range(1, 100))  # never by step count
+    clock.t = 1000.0 + FIRST_AUTO_CHECKPOINT_S
+    assert p.due_by_clock()
+    # blocking 5 ms + two steps slowed by 2.5 ms each: the true cost is 10 ms.
+    one_checkpoint(p, clock, 0.005, [0.0025, 0.0025])
+    assert p.cost_s() == pytest.approx(0.010)
+    assert p.reason == IntervalReason.BUDGET and p.interval_s == pytest.approx(1.0)
+    clock.t += 0.5
+    assert not p.due_by_clock()
+    clock.t += 0.6
+    assert p.due_by_clock()
+    last = marks(tmp_path)[-1]
+    assert last["reason"] == "budget" and last["cost_s"] == pytest.approx(0.010)
+    assert last["interference_s"] == pytest.approx(0.005)
+
+
+def test_observed_failures_switch_to_young(tmp_path: Path) -> None:
+    clock = Clock()
+    history = FailureHistory(failures=2, job_started_at=clock.t - 200.0)  # MTBF ~100 s
+    p = policy(tmp_path, clock, history, every_steps="auto")
+    clock.t += 0.1
+    p.step_done(0.1, commit_running=False)
+    one_checkpoint(p, clock, 0.02, [0.0])
+    mtbf = (clock.t - history.job_started_at) / 2
+    assert p.reason == IntervalReason.YOUNG
+    assert p.interval_s == pytest.approx(math.sqrt(2 * 0.02 * mtbf), rel=1e-6)
+
+
+def test_never_shorter_than_the_upload(tmp_path: Path) -> None:
+    clock = Clock()
+    p = policy(tmp_path, clock, every_steps="auto", cost_budget=0.5)
+    clock.t += 0.1
+    p.step_done(0.1, commit_running=False)
+    # A 1 ms checkpoint would give a 2 ms interval, but its commit runs for 20 steps (2 s).
+    one_checkpoint(p, clock, 0.001, [0.0] * 20)
+    assert p.reason == IntervalReason.UPLOAD and p.interval_s == pytest.approx(2.1, rel=0.01)
+
+
+def test_a_promoted_standby_learns_the_failures_late(tmp_path: Path) -> None:
+    clock = Clock()
+    p = policy(tmp_path, clock, every_steps="auto")
+    clock.t += 0.1
+    p.step_done(0.1, commit_running=False)
+    one_checkpoint(p, clock, 0.01, [0.0])
+    assert p.reason == IntervalReason.BUDGET
+    p.failures_seen(FailureHistory(failures=1, job_started_at=clock.t - 50))
+    assert p.reason == IntervalReason.YOUNG
+    assert [m["reason"] for m in marks(tmp_path)] == ["budget", "young"]
