@@ -59,7 +59,8 @@ log = logging.getLogger(__name__)
 
 JOB_ID_TAG = "ett.job_id"
 JOB_URL_TAG = "ett.job_url"
-KIND_TAG = "ett.kind"  # "job" | "attempt" | "fleet"
+KIND_TAG = "ett.kind"  # "job" | "attempt" | "publish" | "fleet"
+PARENT_JOB_TAG = "ett.parent_job_id"  # on attempt and publish runs (a job id search finds jobs)
 ATTEMPT_TAG = "ett.attempt"
 OUTCOME_TAG = "ett.outcome"
 EXIT_CODE_TAG = "ett.exit_code"
@@ -364,7 +365,7 @@ def log_attempt(run_id: str, attempt: AttemptLike, *, tracking_uri: str | None =
             PARENT_TAG: run_id,
             ATTEMPT_TAG: str(attempt.attempt),
             KIND_TAG: "attempt",
-            "ett.parent_job_id": job_id,  # not ett.job_id: searches by job id find job runs
+            PARENT_JOB_TAG: job_id,
         }
         child_id = ml.create_run(
             parent.info.experiment_id,
