@@ -366,6 +366,7 @@ def log_attempt(run_id: str, attempt: AttemptLike, *, tracking_uri: str | None =
             ATTEMPT_TAG: str(attempt.attempt),
             KIND_TAG: "attempt",
             PARENT_JOB_TAG: job_id,
+            **source_tags("flows/train_flow.py"),
         }
         child_id = ml.create_run(
             parent.info.experiment_id,

@@ -10,6 +10,7 @@ loudly if the ledger cannot be read.
 
 from __future__ import annotations
 
+import contextvars
 import re
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -59,7 +60,8 @@ def log_attempt(run_id: str | None, tracking_uri: str, report: AttemptReport) ->
     """Queue one attempt for MLflow and return at once: the next attempt never waits for it."""
     if run_id is None:
         return  # logged from the ledger at the end of the flow
-    log = logger()  # the caller's run logger, usable from the background thread
+    log = logger()  # the caller's run logger
+    context = contextvars.copy_context()  # ...and Prefect settings, on the background thread
 
     def send() -> None:
         try:
@@ -67,7 +69,7 @@ def log_attempt(run_id: str | None, tracking_uri: str, report: AttemptReport) ->
         except Exception as exc:  # noqa: BLE001 - filled in at the end of the flow
             log.warning("could not log attempt %d to MLflow: %s", report.attempt, exc)
 
-    _pending.append(_background.submit(send))
+    _pending.append(_background.submit(context.run, send))
 
 
 def _drain_pending(timeout_s: float = PENDING_WAIT_S) -> None:

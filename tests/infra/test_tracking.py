@@ -217,6 +217,7 @@ def test_job_run_holds_report_curves_attempts_and_artifacts(
         assert child.info.start_time == int(a.started * 1000)
         assert child.info.end_time == int(a.ended * 1000)
         assert child.data.params == {}
+        assert child.data.tags["mlflow.source.git.commit"] == _git_head()
         assert child.data.metrics == {"duration_s": a.ended - a.started, "last_step": last}
     own = [e for e in events if e.attempt == 1 and e.name != "scheduling"]
     assert attempts[1].started == min(e.start for e in own)

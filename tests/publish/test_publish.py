@@ -497,7 +497,7 @@ def _tampered_copy(job: TrainedJob, dst: Path, mlflow_uri: str, s3_endpoint: str
 
 
 def test_publishing_uses_the_workers_mlflow_and_s3_never_the_checkpoints(
-    trained_job: TrainedJob, published: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    trained_job: TrainedJob, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A checkpoint on S3 whose config.yaml names another MLflow server and another S3
     endpoint: publishing registers it on the worker's MLflow, reads it through the worker's
