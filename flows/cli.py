@@ -78,6 +78,24 @@ def cmd_report(args: argparse.Namespace) -> int:
     storage.configure(config.storage)
     job_url = args.job if "://" in args.job else storage.join(config.storage.root, "jobs", args.job)
     print(format_table(report_for_job(job_url)))
+    # --- ett report --log (MLflow owner: infra/tracking.py) ---
+    if args.log:
+        from mlflow.exceptions import MlflowException
+
+        from infra import tracking
+
+        job = config.model_copy(update={"job_id": job_url.rstrip("/").rsplit("/", 1)[-1]})
+        where = tracking.redact_url(config.tracking.mlflow_uri)
+        try:
+            run_id, _ = tracking.log_job(job, job_url=job_url)
+        except MlflowException as exc:
+            print(
+                f"error: could not log {job.job_id} to MLflow at {where}: {exc.message}",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"logged {job.job_id} to MLflow run {run_id} ({where})")
+    # --- end ett report --log ---
     return 0
 
 
@@ -188,6 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hang-timeout-s", type=float, default=600.0, help="no step for this long")
     p = add("report", cmd_report, "print the ETT breakdown of a job")
     p.add_argument("job", help="job id (under storage.root) or the job's URL")
+    p.add_argument(  # --- ett report --log ---
+        "--log",
+        action="store_true",
+        help="also log the job (run, attempts, report, curves) to MLflow (tracking.mlflow_uri)",
+    )
     p = add("advise", cmd_advise, "the checkpoint interval that minimises lost time", config=False)
     p.add_argument("--blocking-s", type=float, required=True, help="blocking time per checkpoint")
     p.add_argument("--failures-per-day", type=float, required=True)

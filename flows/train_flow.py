@@ -137,15 +137,7 @@ def train_flow(
         "ett.num_preemptions": float(outcome.preemptions),
         "ett.max_failures": float(max_failures),
     }
-    report_state = report_job(
-        job.job_url,
-        job.job_id,
-        run_id,
-        job.tracking.mlflow_uri,
-        extra,
-        outcome.succeeded,
-        return_state=True,
-    )
+    report_state = report_job(job, run_id, extra, outcome.succeeded, return_state=True)
     report = report_state.result(raise_on_failure=False) if report_state.is_completed() else None
     if report is None:
         log.warning("no ETT report for %s: %s", job.job_id, report_state.message)
@@ -157,7 +149,7 @@ def train_flow(
     return {
         "job_id": job.job_id,
         "job_url": job.job_url,
-        "mlflow_run_id": run_id,
+        "mlflow_run_id": report["mlflow_run_id"] if report else run_id,
         "message": outcome.message,
         "attempts": [a.describe() for a in outcome.attempts],
         "failures": outcome.failures,

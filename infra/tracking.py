@@ -1,30 +1,32 @@
-"""MLflow tracking of ETT: one run per job, one nested run per attempt, the report at the end.
+"""MLflow tracking of a job: one run per job (ETT accounting and training curves), one nested
+run per attempt, a fleet run per experiment for the fleet report.
 
-    run_id = start_job_run(config)                 # at job start; a resumed job gets its run back
-    log_attempt(run_id, 0, exit_code=-9, cause="sigkill", started=t0, ended=t1, last_step=40,
-                tracking_uri=config.tracking.mlflow_uri)
-    log_job_report(run_id, report_for_job(config.job_url), config.job_url,
-                   tracking_uri=config.tracking.mlflow_uri)   # metrics + artifacts, ends the run
+    run_id = start_job_run(config)              # at job start; a re-run job gets its run back
+    log_attempt(run_id, attempt_report, tracking_uri=config.tracking.mlflow_uri)
+    log_job(config, run_id, succeeded=True)     # report, curves, artifacts; fills in attempts
 
-Every call builds its own ``MlflowClient(tracking_uri=...)``, so nothing global is set and the
-same code logs to ``sqlite:///...`` and to an ``http://`` MLflow server. ``log_attempt`` and
-``log_job_report`` take the URI from their ``tracking_uri`` argument, else from the run started
-by ``start_job_run`` in this process, else from ``MLFLOW_TRACKING_URI``; pass it explicitly
-from another process. Credentials are never logged: params come from ``config.public_dict()``
-(which leaves them out), secret-looking keys and the config's secret values are dropped as well,
-and user:password parts of URLs are stripped.
+Everything a job's run holds is derived from the job's ledger, so ``log_job`` can log a job
+whole, later: a job that ran while MLflow was down is logged at the end of its flow or with
+``ett report --log JOB``. Every call builds its own ``MlflowClient(tracking_uri=...)`` (nothing
+global), and every HTTP call is bounded (``bound_http_calls``): a dead tracking server costs a
+job seconds, not MLflow's default of minutes of retries.
 
-Metric names (all prefixed ``ett.``): the report's ``to_metrics()`` (``ett.ett_pct``,
-``ett.failure_pct``, ``ett.idleness_pct``, ``ett.wall_s``, ``ett.bucket_<bucket>_s``,
-``ett.time_to_start_s``, ``ett.time_to_recover_total_s``, ``ett.num_failures``, ...), the L2
-shares ``ett.bucket_<bucket>_pct``, ``ett.start_time`` (Unix s of W's start),
-``ett.num_attempts``, ``ett.num_steps``, ``ett.train_loop_s``, ``ett.finished`` (0/1) and, as
-metric histories, ``ett.time_to_recover_s`` (step = failure index) and ``ett.init.<stage>_s``,
-``ett.init.wall_s``, ``ett.init.critical_path_s`` (step = attempt).
+Names: ETT metrics are ``ett.*`` (``ett.ett_pct``, ``ett.bucket_<bucket>_s``, the L2 shares
+``ett.bucket_<bucket>_pct``, ``ett.time_to_recover_s`` by failure index, ``ett.init.<stage>_s``
+by attempt, ...). Curves by training step: ``trainer.loss`` and the trainer's own holdout
+evaluation ``trainer.holdout_auc`` / ``trainer.holdout_logloss`` (on the first
+``train.eval_rows`` holdout rows; the publish gate's ``publish.holdout_*`` are on fewer rows, see
+docs/publishing.md). Tags are ``ett.*`` plus MLflow's own (source, git commit, description).
+Credentials are never logged: params come from ``config.public_dict()``, secret-looking keys
+and the config's secret values are dropped, and user:password parts of URLs are stripped.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import getpass
+import hashlib
 import json
 import logging
 import math
@@ -32,51 +34,104 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.data.dataset_source_registry import resolve_dataset_source
+from mlflow.data.meta_dataset import MetaDataset
+from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
+from mlflow.utils import mlflow_tags
 from pydantic import BaseModel, SecretStr
 
-from infra.ett import EttReport
+from infra import storage
+from infra.ett import EttReport, compute_report
 from infra.ett_report import format_table, plot_breakdown, to_markdown
-from infra.ledger import ledger_url, read_files
+from infra.ledger import Event, Mark, Span, ledger_url, read_events, read_files
 from infra.settings import JobConfig
 
 log = logging.getLogger(__name__)
 
 JOB_ID_TAG = "ett.job_id"
 JOB_URL_TAG = "ett.job_url"
-KIND_TAG = "ett.kind"  # "job" | "attempt"
-ATTEMPT_TAG = "attempt"
-PARENT_TAG = "mlflow.parentRunId"
+KIND_TAG = "ett.kind"  # "job" | "attempt" | "publish" | "fleet"
+PARENT_JOB_TAG = "ett.parent_job_id"  # on attempt and publish runs (a job id search finds jobs)
+ATTEMPT_TAG = "ett.attempt"
+OUTCOME_TAG = "ett.outcome"
+EXIT_CODE_TAG = "ett.exit_code"
+PARENT_TAG = mlflow_tags.MLFLOW_PARENT_RUN_ID
 METRIC_PREFIX = "ett."
-# MLflow's limits (mlflow.utils.validation, 3.x); a server may be stricter on old versions.
-MAX_PARAM_LEN = 6000
-MAX_TAG_LEN = 8000
-MAX_KEY_LEN = 250
-BATCH = 100  # params, and tags, per log_batch call
-MAX_BATCH = 1000  # metrics + params + tags per log_batch call
+# The experiment's kind, read by MLflow's UI (3.x) to choose its layout; without it an
+# experiment with no runs yet opens as a GenAI project (traces overview).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING = "custom_model_development"
+FLEET_RUN_NAME = "fleet-report"
+REPO_ROOT = Path(__file__).resolve().parents[1]
 SECRET_WORDS = ("secret", "password", "passwd", "token", "access_key", "credential", "api_key")
+# MLflow's own limits (mlflow.utils.validation): longer params are cut, longer keys dropped.
+MAX_PARAM_LEN = 6000
+MAX_KEY_LEN = 250
+# Every tracking HTTP call: give up after this many seconds without an answer, retry this
+# often with this backoff factor (urllib3: 0, 2, 4 s ...). MLflow's defaults (120 s, 7
+# retries, factor 2) let one call to a dead server stall a job for minutes. An operator's
+# own MLFLOW_HTTP_REQUEST_* variables win.
+HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+}
+# Ledger span attribute -> metric key, per span name: the training curves of a job's run.
+CURVES: dict[str, dict[str, str]] = {
+    Span.TRAIN_STEP: {"loss": "trainer.loss"},
+    Span.EVAL: {"auc": "trainer.holdout_auc", "logloss": "trainer.holdout_logloss"},
+    # The side evaluator (train.eval: async) scores the same rows from each eval checkpoint.
+    Span.ASYNC_EVAL: {"auc": "trainer.holdout_auc", "logloss": "trainer.holdout_logloss"},
+}
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _run_uris: dict[str, str] = {}  # run id -> tracking URI, for runs started by this process
 
 
-# -- helpers --------------------------------------------------------------------------------
-def redact_url(url: str) -> str:
-    """The URL without a user:password@ part (the rest is kept)."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+class AttemptLike(Protocol):
+    """What ``log_attempt`` needs of an attempt (the orchestrator's AttemptReport has it)."""
+
+    attempt: int
+    outcome: str  # an infra.exit_codes.Outcome value
+    exit_code: int | None
+    started: float  # Unix seconds
+    ended: float
+    last_step: int | None
 
 
-def _client(tracking_uri: str) -> MlflowClient:
+@dataclass(frozen=True)
+class LedgerAttempt:
+    """An attempt as the job's ledger tells it, for logging a job after the fact (the
+    orchestrator's own reports are gone by then); see ``attempts_from_ledger``."""
+
+    attempt: int
+    outcome: str
+    exit_code: int | None
+    started: float
+    ended: float
+    last_step: int | None
+
+
+# -- connections ------------------------------------------------------------------------------
+def bound_http_calls() -> None:
+    """Bound every MLflow HTTP call of this process (see HTTP_DEFAULTS). MLflow reads these
+    variables on each request, so this also reaches clients made before it."""
+    for key, value in HTTP_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+def client(tracking_uri: str) -> MlflowClient:
+    """A client for ``tracking_uri`` whose calls are bounded."""
+    bound_http_calls()
     return MlflowClient(tracking_uri=tracking_uri)
 
 
@@ -88,6 +143,15 @@ def _resolve_uri(run_id: str, tracking_uri: str | None) -> str:
             "(or set MLFLOW_TRACKING_URI)"
         )
     return uri
+
+
+# -- what may be logged -------------------------------------------------------------------------
+def redact_url(url: str) -> str:
+    """The URL without a user:password@ part (the rest is kept)."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
 def _secret_values(obj: Any) -> set[str]:
@@ -136,163 +200,237 @@ def job_params(config: JobConfig) -> dict[str, str]:
     return safe
 
 
-def _log_batches(
-    client: MlflowClient,
-    run_id: str,
-    metrics: Sequence[Metric] = (),
-    params: dict[str, str] | None = None,
-    tags: dict[str, str] | None = None,
-) -> None:
-    """As few log_batch calls as MLflow's limits allow (100 params, 100 tags, 1000 in all):
-    each call is one transaction (SQLite) or one request (HTTP)."""
-    p = [Param(k, v) for k, v in (params or {}).items()]
-    t = [RunTag(k, v[:MAX_TAG_LEN]) for k, v in (tags or {}).items()]
-    m = list(metrics)
-    while p or t or m:
-        bp, bt = p[:BATCH], t[:BATCH]
-        bm = m[: MAX_BATCH - len(bp) - len(bt)]
-        client.log_batch(run_id, metrics=bm, params=bp, tags=bt)
-        p, t, m = p[len(bp) :], t[len(bt) :], m[len(bm) :]
+@functools.cache
+def _git_tags() -> dict[str, str]:
+    """The commit (and branch) of the code that runs, when it is a git checkout."""
+    from mlflow.utils.git_utils import get_git_branch, get_git_commit
+
+    tags = {}
+    if commit := get_git_commit(str(REPO_ROOT)):
+        tags[mlflow_tags.MLFLOW_GIT_COMMIT] = commit
+        if branch := get_git_branch(str(REPO_ROOT)):
+            tags[mlflow_tags.MLFLOW_GIT_BRANCH] = branch
+    return tags
 
 
-def _experiment_id(client: MlflowClient, name: str, tracking_uri: str) -> str:
-    exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        if exp.lifecycle_stage == "deleted":
-            client.restore_experiment(exp.experiment_id)
-        return exp.experiment_id
-    location = None
-    if tracking_uri.startswith("sqlite:///"):
-        # MLflow would put artifacts in ./mlruns of whatever directory the caller runs in
-        # (Prefect workers run flows in temp dirs): keep them next to the database instead.
-        db = Path(tracking_uri[len("sqlite:///") :]).resolve()
-        location = (db.parent / "mlartifacts").as_uri()
-    try:
-        return client.create_experiment(name, artifact_location=location)
-    except MlflowException:  # created meanwhile by another process
-        exp = client.get_experiment_by_name(name)
-        if exp is None:
-            raise
-        return exp.experiment_id
+def source_tags(source: str) -> dict[str, str]:
+    """MLflow's source tags (the UI's Source column and its commit link) for code in
+    ``source`` (a path in this repository), and the user who ran it."""
+    tags = {
+        mlflow_tags.MLFLOW_SOURCE_TYPE: "JOB",
+        mlflow_tags.MLFLOW_SOURCE_NAME: source,
+        **_git_tags(),
+    }
+    with contextlib.suppress(KeyError, OSError):  # no user name in a bare container
+        tags[mlflow_tags.MLFLOW_USER] = getpass.getuser()
+    return tags
 
 
-def find_open_job_run(client: MlflowClient, experiment_id: str, job_id: str) -> Any | None:
-    """The newest unfinished (not FINISHED) top-level run of a job, or None."""
-    runs = client.search_runs(
+def holdout_dataset(data_url: str, rows: int) -> MetaDataset:
+    """The first ``rows`` rows of a data set's holdout split as an MLflow dataset: the trainer's
+    eval and the publish gate score such prefixes of one split, named apart by their size."""
+    holdout = storage.join(data_url, "holdout")
+    digest = hashlib.sha256(f"{redact_url(holdout)}\n{rows}".encode()).hexdigest()[:16]
+    with warnings.catch_warnings():  # file:// matches two equal local sources: either will do
+        warnings.simplefilter("ignore", UserWarning)
+        source = resolve_dataset_source(redact_url(holdout))
+    return MetaDataset(source=source, name=f"holdout[:{rows}]", digest=digest)
+
+
+# -- the experiment and the job's run -------------------------------------------------------
+def ensure_experiment(ml: MlflowClient, name: str, tracking_uri: str) -> str:
+    """The experiment's id, created (or restored) if needed and marked as model training."""
+    exp = ml.get_experiment_by_name(name)
+    if exp is None:
+        location = None
+        if tracking_uri.startswith("sqlite:///"):
+            # MLflow would put artifacts in ./mlruns of whatever directory the caller runs in
+            # (Prefect workers run flows in temp dirs): keep them next to the database instead.
+            db = Path(tracking_uri[len("sqlite:///") :]).resolve()
+            location = (db.parent / "mlartifacts").as_uri()
+        try:
+            return ml.create_experiment(
+                name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING}
+            )
+        except MlflowException:  # created meanwhile by another process
+            exp = ml.get_experiment_by_name(name)
+            if exp is None:
+                raise
+    if exp.lifecycle_stage == "deleted":
+        ml.restore_experiment(exp.experiment_id)
+    if EXPERIMENT_KIND_TAG not in exp.tags:  # a user's own choice is kept
+        ml.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
+    return exp.experiment_id
+
+
+def find_job_run(ml: MlflowClient, experiment_id: str, job_id: str) -> Any | None:
+    """The job's run (whatever its status), or None. One run per job: a job that is run again,
+    after a failure or after it finished, continues in its run."""
+    runs = ml.search_runs(
         [experiment_id],
-        filter_string=f"tags.`{JOB_ID_TAG}` = '{job_id}'",
+        filter_string=f"tags.`{JOB_ID_TAG}` = '{job_id}' and tags.`{KIND_TAG}` = 'job'",
         order_by=["attributes.start_time DESC"],
-        max_results=50,
+        max_results=1,
     )
-    for run in runs:
-        if run.info.status != "FINISHED" and PARENT_TAG not in run.data.tags:
-            return run
-    return None
+    return runs[0] if runs else None
 
 
-# -- the API --------------------------------------------------------------------------------
-def start_job_run(config: JobConfig) -> str:
-    """The job's MLflow run id: the unfinished run of ``config.job_id`` if there is one
-    (a resumed job keeps its run), otherwise a new run named after the job."""
+def _job_description(config: JobConfig) -> str:
+    return (
+        f"Training job `{config.job_id}` ({redact_url(config.job_url)}).\n\n"
+        "- `trainer.loss`: training loss per step (rank 0; a step redone after a failure "
+        "shows its last run).\n"
+        "- `trainer.holdout_auc`, `trainer.holdout_logloss`: the trainer's own evaluation every "
+        f"{config.train.eval_every} steps on the first {config.train.eval_rows} holdout rows "
+        f"(dataset `holdout[:{config.train.eval_rows}]`). The publish gate's "
+        "`publish.holdout_*` on the model version are on fewer rows of the same split, so they "
+        "differ by sampling noise.\n"
+        "- `ett.*`: Effective Training Time; the breakdown is under Artifacts, `ett/`.\n"
+        "- Attempts are nested runs; publish runs are nested here too."
+    )
+
+
+def start_job_run(config: JobConfig, source: str = "flows/train_flow.py") -> str:
+    """The job's MLflow run id, its run found (a re-run or resumed job keeps its run and is
+    RUNNING again) or created, with the config as params."""
     uri = config.tracking.mlflow_uri
-    client = _client(uri)
-    exp_id = _experiment_id(client, config.tracking.experiment, uri)
+    ml = client(uri)
+    exp_id = ensure_experiment(ml, config.tracking.experiment, uri)
     params = job_params(config)
-    tags = {JOB_ID_TAG: config.job_id, JOB_URL_TAG: redact_url(config.job_url), KIND_TAG: "job"}
-    run = find_open_job_run(client, exp_id, config.job_id)
+    tags = {
+        JOB_ID_TAG: config.job_id,
+        JOB_URL_TAG: redact_url(config.job_url),
+        KIND_TAG: "job",
+        **source_tags(source),
+    }
+    run = find_job_run(ml, exp_id, config.job_id)
     if run is None:
-        run_id = client.create_run(exp_id, tags=tags, run_name=config.job_id).info.run_id
+        tags[mlflow_tags.MLFLOW_RUN_NOTE] = _job_description(config)
+        run_id = ml.create_run(exp_id, tags=tags, run_name=config.job_id).info.run_id
         new_params = params
     else:
         run_id = run.info.run_id
         if run.info.status != "RUNNING":
-            client.update_run(run_id, status="RUNNING")
+            ml.update_run(run_id, status="RUNNING")
         old = run.data.params
         new_params = {k: v for k, v in params.items() if k not in old}
         changed = sorted(k for k, v in params.items() if k in old and old[k] != v)
-        resumes = int(run.data.tags.get("ett.resumes", "0")) + 1
-        tags["ett.resumes"] = str(resumes)
+        tags["ett.resumes"] = str(int(run.data.tags.get("ett.resumes", "0")) + 1)
         if changed:  # MLflow params are immutable: keep the first values, say what moved
             log.warning(
-                "job %s resumed with changed params (kept the first): %s",
+                "job %s run again with changed params (kept the first): %s",
                 config.job_id,
                 ", ".join(changed),
             )
             tags["ett.params_changed_on_resume"] = ",".join(changed)
-        log.info("reusing MLflow run %s of job %s (resume %d)", run_id, config.job_id, resumes)
-    _log_batches(client, run_id, params=new_params, tags=tags)
+        log.info("continuing MLflow run %s of job %s", run_id, config.job_id)
+    ml.log_batch(
+        run_id,
+        params=[Param(k, v) for k, v in new_params.items()],
+        tags=[RunTag(k, v) for k, v in tags.items()],
+    )
     _run_uris[run_id] = uri
     return run_id
 
 
-def log_attempt(
-    run_id: str,
-    attempt: int,
-    exit_code: int,
-    cause: str,
-    started: float,
-    ended: float,
-    last_step: int | None,
-    *,
-    tracking_uri: str | None = None,
-) -> str:
-    """Record one attempt as a nested run of the job's run (tag ``attempt``); returns its id.
+# -- attempts ---------------------------------------------------------------------------------
+def _attempt_status(outcome: str) -> str:
+    if outcome == "success":
+        return "FINISHED"
+    return "KILLED" if outcome == "preempted" else "FAILED"
 
-    Logging the same attempt again updates its metrics instead of adding a second run."""
+
+def log_attempt(run_id: str, attempt: AttemptLike, *, tracking_uri: str | None = None) -> str:
+    """Record one attempt as a nested run of the job's run; returns its id. The attempt's
+    start and end are the run's own times; its outcome and exit code are tags (searchable:
+    ``tags.`ett.outcome` = 'sigkill'``); duration and last step are metrics. Logging an
+    attempt again updates its run instead of adding another."""
     uri = _resolve_uri(run_id, tracking_uri)
-    client = _client(uri)
-    parent = client.get_run(run_id)
-    found = client.search_runs(
+    ml = client(uri)
+    parent = ml.get_run(run_id)
+    found = ml.search_runs(
         [parent.info.experiment_id],
-        filter_string=f"tags.`{PARENT_TAG}` = '{run_id}' and tags.{ATTEMPT_TAG} = '{attempt}'",
+        filter_string=(
+            f"tags.`{PARENT_TAG}` = '{run_id}' and tags.`{ATTEMPT_TAG}` = '{attempt.attempt}'"
+        ),
         max_results=1,
     )
-    params = {
-        "attempt": str(attempt),
-        "exit_code": str(exit_code),
-        "cause": cause,
-        "last_step": str(last_step),
+    tags = {
+        OUTCOME_TAG: str(attempt.outcome),
+        EXIT_CODE_TAG: "none" if attempt.exit_code is None else str(attempt.exit_code),
     }
     if found:
         child_id = found[0].info.run_id
-        params = {k: v for k, v in params.items() if k not in found[0].data.params}
     else:
         job_id = parent.data.tags.get(JOB_ID_TAG, parent.info.run_name)
-        tags = {
+        tags |= {
             PARENT_TAG: run_id,
-            ATTEMPT_TAG: str(attempt),
+            ATTEMPT_TAG: str(attempt.attempt),
             KIND_TAG: "attempt",
-            "ett.parent_job_id": job_id,
+            PARENT_JOB_TAG: job_id,
+            **source_tags("flows/train_flow.py"),
         }
-        child_id = client.create_run(
+        child_id = ml.create_run(
             parent.info.experiment_id,
-            start_time=int(started * 1000),
+            start_time=int(attempt.started * 1000),
             tags=tags,
-            run_name=f"{job_id}-attempt{attempt}",
+            run_name=f"{job_id}-attempt{attempt.attempt}",
         ).info.run_id
-    now = int(time.time() * 1000)
-    values = {
-        "exit_code": float(exit_code),
-        "duration_s": ended - started,
-        "started": started,
-        "ended": ended,
-    }
-    if last_step is not None:
-        values["last_step"] = float(last_step)
-    metrics = [Metric(k, v, now, 0) for k, v in values.items()]
-    _log_batches(client, child_id, metrics, params=params, tags={"cause": cause})
-    status = "FINISHED" if exit_code == 0 else "FAILED"
-    client.set_terminated(child_id, status=status, end_time=int(ended * 1000))
+    at = int(attempt.ended * 1000)
+    metrics = [Metric("duration_s", attempt.ended - attempt.started, at, 0)]
+    if attempt.last_step is not None:
+        metrics.append(Metric("last_step", float(attempt.last_step), at, 0))
+    ml.log_batch(child_id, metrics=metrics, tags=[RunTag(k, v) for k, v in tags.items()])
+    ml.set_terminated(child_id, status=_attempt_status(attempt.outcome), end_time=at)
     _run_uris[child_id] = uri
     return child_id
 
 
+def attempts_from_ledger(report: EttReport, events: Sequence[Event]) -> list[LedgerAttempt]:
+    """Every attempt of a job as its ledger tells it: start and end (the attempt's own
+    events, without the flow's scheduling wait), outcome (the failure mark's cause, else
+    ``success`` for an attempt that reached job_end, else the report's view), exit code (from
+    the failure mark; 0 for a success) and last step."""
+    mine = [e for e in events if e.rank == 0 and e.name != Span.SCHEDULING]
+    causes = {f.attempt: f.cause for f in report.failures}
+    out = []
+    for summary in report.attempts:
+        own = [e for e in mine if e.attempt == summary.attempt]
+        if not own:
+            continue
+        marks = [e for e in own if e.name == Mark.FAILURE]
+        if summary.outcome == "completed":
+            outcome, code = "success", 0
+        else:
+            outcome = causes.get(summary.attempt, summary.outcome)
+            code = marks[0].attrs.get("exit_code") if marks else None
+        out.append(
+            LedgerAttempt(
+                attempt=summary.attempt,
+                outcome=str(outcome),
+                exit_code=int(code) if isinstance(code, (int, float)) else None,
+                started=min(e.start for e in own),
+                ended=max(e.end for e in own),
+                last_step=summary.last_step,
+            )
+        )
+    return out
+
+
+def _logged_attempts(ml: MlflowClient, run_id: str) -> set[int]:
+    run = ml.get_run(run_id)
+    children = ml.search_runs(
+        [run.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{run_id}'"
+    )
+    return {int(c.data.tags[ATTEMPT_TAG]) for c in children if ATTEMPT_TAG in c.data.tags}
+
+
+# -- the report, the curves, the artifacts ------------------------------------------------------
 def report_metrics(report: EttReport) -> dict[str, float]:
     """Scalar ETT metrics of a report, named as logged (``ett.`` prefix)."""
     m = dict(report.to_metrics())
     m.update({f"bucket_{k}_pct": v for k, v in report.bucket_pct().items()})
     m.update(
-        start_time=report.start_time,
         num_attempts=float(len(report.attempts)),
         num_steps=float(report.num_steps),
         train_loop_s=report.train_loop_s,
@@ -304,9 +442,9 @@ def report_metrics(report: EttReport) -> dict[str, float]:
     return {f"{METRIC_PREFIX}{k}": float(v) for k, v in m.items() if math.isfinite(v)}
 
 
-def _history(report: EttReport, now: int) -> list[Metric]:
+def _history(report: EttReport, at: int) -> list[Metric]:
     out = [
-        Metric(f"{METRIC_PREFIX}time_to_recover_s", f.time_to_recover_s, now, i)
+        Metric(f"{METRIC_PREFIX}time_to_recover_s", f.time_to_recover_s, at, i)
         for i, f in enumerate(report.failures)
     ]
     for ib in report.init:
@@ -314,33 +452,67 @@ def _history(report: EttReport, now: int) -> list[Metric]:
         values["init.critical_path_s"] = ib.critical_path_s
         if ib.wall_s is not None:
             values["init.wall_s"] = ib.wall_s
-        out += [Metric(f"{METRIC_PREFIX}{k}", float(v), now, ib.attempt) for k, v in values.items()]
+        out += [Metric(f"{METRIC_PREFIX}{k}", float(v), at, ib.attempt) for k, v in values.items()]
     return out
+
+
+def training_curves(events: Iterable[Event]) -> list[Metric]:
+    """The job's curves by training step, from the ledger (see CURVES): rank 0's spans, one
+    point per step. A step that was redone after a failure keeps its last execution (by
+    attempt, then start), the one that counts, as in the ETT report. Timestamps are the spans'
+    ends, so logging the same ledger again adds nothing."""
+    latest: dict[tuple[str, int], Event] = {}
+    spans = [e for e in events if e.rank == 0 and e.name in CURVES and e.step is not None]
+    for e in sorted(spans, key=lambda e: (e.attempt, e.start)):
+        latest[(e.name, int(e.step))] = e  # type: ignore[arg-type]
+    out = []
+    for (name, step), e in sorted(latest.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        for attr, key in CURVES[name].items():
+            value = e.attrs.get(attr)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                out.append(Metric(key, float(value), int(e.end * 1000), step))
+    return out
+
+
+def _eval_rows(events: Iterable[Event]) -> int | None:
+    evals = (Span.EVAL, Span.ASYNC_EVAL)
+    rows = [e.attrs.get("rows") for e in events if e.rank == 0 and e.name in evals]
+    found = [int(r) for r in rows if isinstance(r, (int, float))]
+    return found[-1] if found else None
 
 
 def log_job_report(
     run_id: str,
     report: EttReport,
     job_url: str,
-    extra_metrics: dict[str, float] | None = None,
+    extra_metrics: Mapping[str, float] | None = None,
     *,
     tracking_uri: str | None = None,
-    end_run: bool = True,
-    status: str = "FINISHED",
+    events: Sequence[Event] | None = None,
+    data_url: str | None = None,
+    status: str | None = "FINISHED",
 ) -> dict[str, float]:
-    """Log the job's ETT metrics and artifacts to its run, then end it (unless ``end_run`` is
-    False). ``extra_metrics`` are logged under the names given. Returns the scalar metrics.
+    """Log the job's ETT metrics, its training curves and artifacts to its run, then end it
+    with ``status`` (None: leave it running). Returns the scalar metrics.
 
     Artifacts: ``ett/report.json``, ``ett/report.txt`` (table), ``ett/report.md``,
-    ``ett/breakdown.png`` and every ledger file of the job under ``ledger/``.
+    ``ett/breakdown.png`` and every ledger file of the job under ``ledger/``. ``data_url``
+    names the holdout the trainer evaluated on (logged as the run's eval dataset).
     """
-    client = _client(_resolve_uri(run_id, tracking_uri))
-    now = int(time.time() * 1000)
+    ml = client(_resolve_uri(run_id, tracking_uri))
+    events = read_events(job_url) if events is None else events
+    at = int(time.time() * 1000)
     scalars = report_metrics(report)
     scalars.update({k: float(v) for k, v in (extra_metrics or {}).items()})
-    metrics = [Metric(k, v, now, 0) for k, v in scalars.items()] + _history(report, now)
+    metrics = [Metric(k, v, at, 0) for k, v in scalars.items()]
+    metrics += _history(report, at) + training_curves(events)
     tags = {JOB_URL_TAG: redact_url(job_url), "ett.finished": str(report.finished).lower()}
-    _log_batches(client, run_id, metrics, tags=tags)
+    ml.log_batch(run_id, metrics=metrics, tags=[RunTag(k, v) for k, v in tags.items()])
+    rows = _eval_rows(events)
+    if data_url and rows:
+        dataset = holdout_dataset(data_url, rows)._to_mlflow_entity()
+        context = InputTag(key=mlflow_tags.MLFLOW_DATASET_CONTEXT, value="eval")
+        ml.log_inputs(run_id, datasets=[DatasetInput(dataset, tags=[context])])
     with tempfile.TemporaryDirectory(prefix="ett-mlflow-") as tmp:
         ett_dir, ledger_dir = Path(tmp, "ett"), Path(tmp, "ledger")
         ett_dir.mkdir()
@@ -349,14 +521,92 @@ def log_job_report(
         (ett_dir / "report.txt").write_text(format_table(report))
         (ett_dir / "report.md").write_text(to_markdown(report))
         plot_breakdown(report, ett_dir / "breakdown.png")
-        client.log_artifacts(run_id, str(ett_dir), artifact_path="ett")
+        ml.log_artifacts(run_id, str(ett_dir), artifact_path="ett")
         files = read_files(job_url)  # segmented ones reassembled
         for file in files:
             (ledger_dir / file.name).write_bytes(file.data)
         if files:
-            client.log_artifacts(run_id, str(ledger_dir), artifact_path="ledger")
+            ml.log_artifacts(run_id, str(ledger_dir), artifact_path="ledger")
         else:
             log.warning("no ledger files under %s", redact_url(ledger_url(job_url)))
-    if end_run:
-        client.set_terminated(run_id, status=status)
+    if status is not None:
+        ml.set_terminated(run_id, status=status)
     return scalars
+
+
+def _final_status(report: EttReport, succeeded: bool | None) -> str | None:
+    """The job run's status: the flow's verdict when it has one; otherwise (``ett report
+    --log``) FINISHED when the job finished, FAILED when its last attempt failed, and still
+    RUNNING (None) while its last attempt may still be running."""
+    if succeeded is not None:
+        return "FINISHED" if succeeded else "FAILED"
+    if report.finished:
+        return "FINISHED"
+    last = max(report.attempts, key=lambda a: a.attempt, default=None)
+    return "FAILED" if last is not None and last.outcome == "failed" else None
+
+
+def log_job(
+    config: JobConfig,
+    run_id: str | None = None,
+    *,
+    job_url: str | None = None,
+    succeeded: bool | None = None,
+    extra_metrics: Mapping[str, float] | None = None,
+) -> tuple[str, dict[str, float]]:
+    """Log a job whole from its ledger: its run (``run_id``, else found or created), every
+    attempt not logged yet, the ETT report, the curves and the artifacts. Returns the run id
+    and the scalar metrics. This is how a job that ran while MLflow was down gets logged."""
+    uri = config.tracking.mlflow_uri
+    job_url = job_url or config.job_url
+    events = read_events(job_url)
+    report = compute_report(events)
+    run_id = run_id or start_job_run(config)
+    ml = client(uri)
+    logged = _logged_attempts(ml, run_id)
+    for attempt in attempts_from_ledger(report, events):
+        if attempt.attempt not in logged:
+            log_attempt(run_id, attempt, tracking_uri=uri)
+    scalars = log_job_report(
+        run_id,
+        report,
+        job_url,
+        extra_metrics,
+        tracking_uri=uri,
+        events=events,
+        data_url=config.data.url,
+        status=_final_status(report, succeeded),
+    )
+    return run_id, scalars
+
+
+# -- the fleet view -------------------------------------------------------------------------------
+def log_fleet_report(
+    tracking_uri: str,
+    experiment: str,
+    files: Mapping[str, str | os.PathLike[str]],
+    metrics: Mapping[str, float] | None = None,
+) -> str:
+    """Log the fleet report's files (plots, tables) to the experiment's fleet run (one per
+    experiment, reused: each report adds a new metric point and replaces the files), so the
+    plots live in MLflow, not on a worker's disk. Returns the run id."""
+    ml = client(tracking_uri)
+    exp_id = ensure_experiment(ml, experiment, tracking_uri)
+    runs = ml.search_runs([exp_id], filter_string=f"tags.`{KIND_TAG}` = 'fleet'", max_results=1)
+    if runs:
+        run_id = runs[0].info.run_id
+        ml.update_run(run_id, status="RUNNING")
+    else:
+        tags = {KIND_TAG: "fleet", **source_tags("flows/report_flow.py")}
+        tags[mlflow_tags.MLFLOW_RUN_NOTE] = (
+            f"ETT across the jobs of experiment `{experiment}`: trend, Time to Start and Time to "
+            "Recover distributions, lost time per job (Artifacts, `fleet/`)."
+        )
+        run_id = ml.create_run(exp_id, tags=tags, run_name=FLEET_RUN_NAME).info.run_id
+    at = int(time.time() * 1000)
+    values = [Metric(k, float(v), at, 0) for k, v in (metrics or {}).items() if math.isfinite(v)]
+    ml.log_batch(run_id, metrics=values)
+    for path in files.values():
+        ml.log_artifact(run_id, str(path), artifact_path="fleet")
+    ml.set_terminated(run_id, status="FINISHED")
+    return run_id

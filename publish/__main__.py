@@ -1,7 +1,8 @@
 """``python -m publish --uri URL``: publish one anchor checkpoint without Prefect.
 
 Prints the result as JSON on stdout. Exit codes: 0 published (or already published),
-3 refused (corrupt checkpoint, failed validation, ...: nothing registered), 2 bad arguments.
+3 refused (corrupt checkpoint, failed validation, ...: nothing registered), 2 bad arguments,
+1 MLflow or storage unavailable (nothing refused: run it again later).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="expected step (checked against the manifest)")
     p.add_argument("--job-id", help="expected job id (checked against the manifest)")
     p.add_argument("--mlflow-run-id", help="the training run to link the model version to")
-    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: the job config's)")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: ETT_TRACKING__MLFLOW_URI)")
     p.add_argument("--registered-model", help="registry name (default: the job config's)")
     p.add_argument("--holdout-rows", type=int, help="holdout rows to validate on")
     p.add_argument("--calibration-ratio", type=float, help="max mean-prediction/CTR ratio")
@@ -55,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.allow_non_anchor:
         overrides["require_anchor"] = False
-    from publish.pipeline import publish  # heavy imports (torch, mlflow) after parsing
+    from mlflow.exceptions import MlflowException  # heavy imports after parsing
+
+    from publish.pipeline import publish
 
     try:
         # stdout carries only the JSON result (MLflow prints run links there).
@@ -64,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     except PublishError as exc:
         print(f"publish refused: {exc}", file=sys.stderr)
         return ExitCode.REFUSED
+    except (MlflowException, OSError) as exc:
+        print(f"publish failed, nothing refused (try again later): {exc}", file=sys.stderr)
+        return ExitCode.CRASH
     print(json.dumps(result.to_dict(), indent=2))
     return ExitCode.SUCCESS
 

@@ -1,7 +1,7 @@
 """Loaded anchor -> an MLflow pyfunc model logged in a "publish" run.
 
 The publish run lives in the training run's experiment (the job config's experiment when
-no training run is given) and is nested under the training run (``mlflow.parentRunId``), so
+no training run is known) and is nested under the training run (``mlflow.parentRunId``), so
 the MLflow UI shows what was published from which training run. The model holds:
 
     weights.pt          plain tensor state dict (torch.save), loaded with weights_only=True
@@ -9,25 +9,40 @@ the MLflow UI shows what was published from which training run. The model holds:
     python_model        publish/serving_model.py (models-from-code: nothing pickled)
     code/               the model definition and serving wrapper (SERVING_CODE), so the
                         model loads anywhere its pip requirements are installed
+    artifacts/fbgemm_gpu-<v>+cpu-py3-none-any.whl   see below
 
 with a signature (dense float, int ids, ``history`` array of long) and an input example.
+
+Its environment installs on a CPU machine. TorchRec's metadata requires ``fbgemm-gpu``, the
+CUDA build, which does not even import without CUDA; the CPU build is another distribution,
+``fbgemm-gpu-cpu``, providing the same ``fbgemm_gpu`` module. pip has no per-requirement
+``--no-deps``, so the model carries a metadata-only wheel named ``fbgemm-gpu`` (no files; it
+requires ``fbgemm-gpu-cpu`` of the same version) and lists it by path: pip then satisfies
+TorchRec's requirement with it and installs the CPU build. MLflow installs a model's
+requirements from inside the model's folder, so the path resolves wherever the model goes.
 """
 
 from __future__ import annotations
 
+import base64
 import glob
+import hashlib
 import importlib.metadata
 import logging
 import os
 import shutil
+import zipfile
 from dataclasses import dataclass
 
 import mlflow
 import pandas as pd
 import torch
 from mlflow import MlflowClient
+from mlflow.entities import Param
 from mlflow.exceptions import MlflowException
+from mlflow.utils import mlflow_tags
 
+from infra import tracking
 from infra.settings import JobConfig
 from publish import serving
 from publish.load import AnchorRef, LoadedAnchor, plain_state_dict
@@ -52,13 +67,12 @@ SERVING_CODE = {
     ),
     "publish": ("__init__.py", "serving.py"),
 }
-# Third-party packages it imports, pinned to this process's versions (never inferred: MLflow
-# would load the model in a subprocess to guess). TorchRec is installed without its deps
-# (DESIGN.md), so they are listed; whichever FBGEMM build is installed is kept.
+# Third-party packages the served model imports, pinned to this process's versions (never
+# inferred: MLflow would load the model in a subprocess to guess). TorchRec's own needs are
+# listed because it is installed without its dependencies here; FBGEMM is handled apart (see
+# the module docstring).
 _REQUIREMENTS = (
     "torch",
-    "fbgemm-gpu-cpu",
-    "fbgemm-gpu",
     "torchrec",
     "tensordict",
     "pyre-extensions",
@@ -71,6 +85,8 @@ _REQUIREMENTS = (
     "pydantic-settings",
     "pyyaml",
 )
+FBGEMM_BUILDS = ("fbgemm-gpu-cpu", "fbgemm-gpu")  # whichever this process has
+SHIM_ARTIFACT = "fbgemm_gpu_cpu_shim"
 
 
 @dataclass(frozen=True)
@@ -81,14 +97,57 @@ class Exported:
     experiment_id: str
 
 
-def pip_requirements() -> list[str]:
-    reqs = []
-    for name in _REQUIREMENTS:
-        try:
-            version = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        reqs.append(f"{name}=={version.split('+')[0]}")
+def _installed(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name).split("+")[0]
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def fbgemm_version() -> str:
+    """The version of the FBGEMM build this process runs (CPU or CUDA)."""
+    for name in FBGEMM_BUILDS:
+        if version := _installed(name):
+            return version
+    raise PublishError("neither fbgemm-gpu-cpu nor fbgemm-gpu is installed: cannot pin FBGEMM")
+
+
+def fbgemm_shim(into: str, version: str) -> str:
+    """Write the metadata-only ``fbgemm-gpu`` wheel (see the module docstring); returns its
+    path. Deterministic: the same version gives the same bytes."""
+    dist = f"fbgemm_gpu-{version}+cpu"
+    metadata = (
+        "Metadata-Version: 2.1\n"
+        "Name: fbgemm-gpu\n"
+        f"Version: {version}+cpu\n"
+        "Summary: Metadata only: satisfies torchrec's fbgemm-gpu requirement with the CPU "
+        "build, fbgemm-gpu-cpu, which provides the fbgemm_gpu module.\n"
+        f"Requires-Dist: fbgemm-gpu-cpu=={version}\n"
+    )
+    wheel = (
+        "Wheel-Version: 1.0\nGenerator: ett-pipeline\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    )
+    files = {f"{dist}.dist-info/METADATA": metadata, f"{dist}.dist-info/WHEEL": wheel}
+    record = []
+    for name, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+        record.append(f"{name},sha256={digest.decode()},{len(text.encode())}")
+    record.append(f"{dist}.dist-info/RECORD,,")
+    files[f"{dist}.dist-info/RECORD"] = "\n".join(record) + "\n"
+    os.makedirs(into, exist_ok=True)
+    path = os.path.join(into, f"{dist}-py3-none-any.whl")
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, text in files.items():
+            zf.writestr(zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0)), text)
+    return path
+
+
+def pip_requirements(shim_path: str) -> list[str]:
+    """The model's requirements: ``_REQUIREMENTS`` pinned, the CPU FBGEMM build and the
+    shim (by its path inside the model, ``artifacts/<wheel>``)."""
+    reqs = [f"{name}=={v}" for name in _REQUIREMENTS if (v := _installed(name))]
+    reqs.insert(1, f"fbgemm-gpu-cpu=={fbgemm_version()}")
+    reqs.insert(2, f"artifacts/{os.path.basename(shim_path)}")
     return reqs
 
 
@@ -106,9 +165,11 @@ def stage_code(into: str) -> list[str]:
 
 
 def connect(tracking_uri: str) -> MlflowClient:
-    """Point this process's MLflow (fluent API and pyfunc loading) at ``tracking_uri``."""
+    """Point this process's MLflow (fluent API and pyfunc loading) at ``tracking_uri``, with
+    every HTTP call bounded (infra.tracking.bound_http_calls)."""
     mlflow.set_tracking_uri(tracking_uri)
     mlflow.set_registry_uri(tracking_uri)
+    tracking.bound_http_calls()
     return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
 
 
@@ -119,77 +180,96 @@ def check_training_run(client: MlflowClient, run_id: str | None) -> str | None:
     try:
         return client.get_run(run_id).info.experiment_id
     except MlflowException as exc:
+        if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise  # MLflow unavailable: worth a retry, not a refusal
         raise PublishError(f"training run {run_id!r} not found in MLflow: {exc.message}") from exc
 
 
+def find_training_run(client: MlflowClient, config: JobConfig, job_id: str) -> str | None:
+    """The job's run, looked up by job id when the caller did not name it (the job started
+    while MLflow was down, say, and its run was made at its end)."""
+    exp = client.get_experiment_by_name(config.tracking.experiment)
+    run = tracking.find_job_run(client, exp.experiment_id, job_id) if exp else None
+    return run.info.run_id if run is not None else None
+
+
+def _description(config: JobConfig, ref: AnchorRef, rows: int) -> str:
+    return (
+        f"Publishing of `{ref.uri}` (step {ref.step}) of job `{config.job_id}`.\n\n"
+        f"- `publish.*`: the publish gate, on the first {rows} holdout rows (dataset "
+        f"`holdout[:{rows}]`), the rows the champion is re-scored on. The training run's "
+        f"`trainer.holdout_auc` uses the first {config.train.eval_rows} rows of the same "
+        "split: a larger sample, so the two differ by sampling noise.\n"
+        "- `publish.parity_max_abs_diff`: the exported model against the trainer's own "
+        "forward pass on those rows."
+    )
+
+
 def open_publish_run(
-    client: MlflowClient, config: JobConfig, ref: AnchorRef, training_run_id: str | None
+    client: MlflowClient,
+    config: JobConfig,
+    ref: AnchorRef,
+    training_run_id: str | None,
+    holdout_rows: int,
 ) -> tuple[str, str]:
     """Create the publish run; returns (run id, experiment id)."""
-    experiment_id = check_training_run(client, training_run_id)
-    if experiment_id is None:
-        found = client.get_experiment_by_name(config.tracking.experiment)
-        if found is not None:
-            experiment_id = found.experiment_id
-        else:
-            try:
-                experiment_id = client.create_experiment(config.tracking.experiment)
-            except MlflowException:  # created meanwhile by another process
-                experiment_id = client.get_experiment_by_name(
-                    config.tracking.experiment
-                ).experiment_id  # type: ignore[union-attr]
+    experiment_id = check_training_run(client, training_run_id) or tracking.ensure_experiment(
+        client, config.tracking.experiment, client.tracking_uri
+    )
     tags = {
-        "ett.role": "publish",
-        "ett.job_id": ref.manifest.job_id or config.job_id,
+        tracking.KIND_TAG: "publish",
+        tracking.PARENT_JOB_TAG: ref.manifest.job_id or config.job_id,
         "ett.anchor_key": ref.key,
+        mlflow_tags.MLFLOW_RUN_NOTE: _description(config, ref, holdout_rows),
+        **tracking.source_tags("flows/publish_flow.py"),
     }
     if training_run_id:
-        tags["mlflow.parentRunId"] = training_run_id
+        tags[mlflow_tags.MLFLOW_PARENT_RUN_ID] = training_run_id
         tags["ett.training_run_id"] = training_run_id
     run = client.create_run(
         experiment_id, run_name=f"publish-{config.job_id}-step{ref.step}", tags=tags
     )
     run_id = run.info.run_id
-    client.log_batch(
-        run_id,
-        params=[
-            mlflow.entities.Param(k, str(v))
-            for k, v in {
-                "anchor_uri": ref.uri,
-                "anchor_step": ref.step,
-                "anchor_world_size": ref.manifest.world_size,
-                "anchor_config_hash": ref.manifest.config_hash,
-                "anchor_manifest_sha256": ref.manifest_sha256,
-            }.items()
-        ],
-    )
+    params = {
+        "anchor_uri": ref.uri,
+        "anchor_step": ref.step,
+        "anchor_world_size": ref.manifest.world_size,
+        "anchor_config_hash": ref.manifest.config_hash,
+        "anchor_manifest_sha256": ref.manifest_sha256,
+    }
+    client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
     return run_id, experiment_id
 
 
 def export(loaded: LoadedAnchor, example: pd.DataFrame, run_id: str, workdir: str) -> Exported:
-    """Log the serving model into the publish run; returns its ``models:/`` URI."""
+    """Log the serving model into the publish run; returns its ``models:/`` URI. An MLflow
+    error propagates as itself (the flow retries it); only a bad model is a PublishError."""
     data, model_config = loaded.config.data, loaded.config.model
     os.makedirs(workdir, exist_ok=True)
     weights = os.path.join(workdir, "weights.pt")
     torch.save(plain_state_dict(loaded.model), weights)
     config_path = os.path.join(workdir, "model_config.json")
     serving.save_model_config(data, model_config, config_path)
+    shim = fbgemm_shim(os.path.join(workdir, "wheels"), fbgemm_version())
     code = os.path.join(os.path.dirname(serving.__file__), "serving_model.py")
-    try:
-        with mlflow.start_run(run_id=run_id) as run:
-            info = mlflow.pyfunc.log_model(
-                name=MODEL_NAME,
-                python_model=code,
-                artifacts={serving.WEIGHTS: weights, serving.MODEL_CONFIG: config_path},
-                code_paths=stage_code(os.path.join(workdir, "code")),
-                signature=serving.signature(data),
-                input_example=example.head(EXAMPLE_ROWS),
-                pip_requirements=pip_requirements(),
-                metadata={"anchor_uri": loaded.ref.uri, "anchor_step": loaded.ref.step},
-            )
-            mlflow.log_artifact(os.path.join(loaded.local_dir, "config.yaml"), "anchor")
-            experiment_id = run.info.experiment_id
-    except MlflowException as exc:
-        raise PublishError(f"exporting {loaded.ref.uri} to MLflow failed: {exc.message}") from exc
+    code_dir = os.path.join(workdir, "code")
+    shutil.rmtree(code_dir, ignore_errors=True)  # a retried export stages afresh
+    with mlflow.start_run(run_id=run_id) as run:
+        info = mlflow.pyfunc.log_model(
+            name=MODEL_NAME,
+            python_model=code,
+            artifacts={
+                serving.WEIGHTS: weights,
+                serving.MODEL_CONFIG: config_path,
+                SHIM_ARTIFACT: shim,
+            },
+            code_paths=stage_code(code_dir),
+            signature=serving.signature(data),
+            input_example=example.head(EXAMPLE_ROWS),
+            pip_requirements=pip_requirements(shim),
+            metadata={"anchor_uri": loaded.ref.uri, "anchor_step": loaded.ref.step},
+        )
+        mlflow.log_artifact(os.path.join(loaded.local_dir, "config.yaml"), "anchor")
+        experiment_id = run.info.experiment_id
     log.info("exported %s as %s (publish run %s)", loaded.ref.uri, info.model_uri, run_id)
     return Exported(info.model_uri, info.model_id, run_id, experiment_id)

@@ -8,9 +8,16 @@
 ``publish()`` runs exactly that; the Prefect flow (flows/publish_flow.py) runs each stage as
 a task. Spans go to the job's ledger in files of their own (role "publish", one attempt
 number per publish run; infra/ett.py leaves them out of the job's wall time), so the ETT
-report shows the work that moved off the training job. A failed stage records its span with
-the error, ends the publish run FAILED and raises PublishError; nothing is registered
-before every validation passed.
+report shows the work that moved off the training job. A refused stage (a bad checkpoint, a
+failed validation) records its span with the error, ends the publish run FAILED and raises
+PublishError; nothing is registered before every validation passed. Any other error (MLflow
+or storage unavailable) propagates as itself, for the flow to retry.
+
+Where to publish is the worker's business, never the checkpoint's: the MLflow server and the
+storage endpoint and credentials come from this process's settings (``PublishSettings``,
+``ETT_*`` and ``AWS_*``/``MLFLOW_*`` environment). A checkpoint's ``config.yaml`` only says
+what the model is (its data schema and model config) and names (experiment, registered model),
+so a checkpoint cannot send the worker's MLflow token or S3 credentials to another host.
 """
 
 from __future__ import annotations
@@ -24,11 +31,12 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import mlflow
 from mlflow import MlflowClient
 
 from infra import storage
 from infra.ledger import Ledger, next_attempt
-from infra.settings import JobConfig
+from infra.settings import ConfigError, JobConfig, load_config
 from publish import export as export_mod
 from publish import registry, validate
 from publish.load import AnchorRef, LoadedAnchor, check_expected, load, read_config, resolve
@@ -102,14 +110,18 @@ class Publication:
         downloaded: when it is published already, ``result`` is set and no stage runs."""
         if not isinstance(settings, PublishSettings):
             settings = make_settings(settings)
+        worker = worker_config()
+        storage.configure(worker.storage)  # the worker's endpoint and credentials, for good
         ref = resolve(uri)
         check_expected(ref, step, job_id, settings.require_anchor)
         config = read_config(ref)
-        storage.configure(config.storage)
         pub = cls(ref, config, job_id, mlflow_run_id, settings)
         try:
-            client = pub._connect(settings.tracking_uri or config.tracking.mlflow_uri)
-            export_mod.check_training_run(client, pub.training_run_id)
+            client = pub._connect(settings.tracking_uri or worker.tracking.mlflow_uri)
+            if pub.training_run_id:
+                export_mod.check_training_run(client, pub.training_run_id)
+            else:
+                pub.training_run_id = export_mod.find_training_run(client, config, pub.job_id)
             pub._find_published(pub.registered_model)
         except BaseException:
             pub.close()
@@ -151,18 +163,21 @@ class Publication:
             attrs["ok"] = True
         except BaseException as exc:
             attrs.update(ok=False, error=str(exc)[:500])
-            self._fail(str(exc))
+            self._fail(exc)
             raise
         finally:
             end = time.time()
             self.seconds[name] = round(end - start, 4)
             self._open_ledger().record_span(name, start, end, step=self.ref.step, **attrs)
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, exc: BaseException) -> None:
+        """End the publish run FAILED (a retried stage that then succeeds ends it FINISHED);
+        a refusal also says why, in the tag ``ett.publish_error``."""
         if self.client is not None and self.exported is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # MLflow may be what failed
                 run_id = self.exported.publish_run_id
-                self.client.set_tag(run_id, "ett.publish_error", reason[:5000])
+                if isinstance(exc, PublishError):
+                    self.client.set_tag(run_id, "ett.publish_error", str(exc)[:5000])
                 self.client.set_terminated(run_id, "FAILED")
 
     # -- stages ---------------------------------------------------------------------------
@@ -178,7 +193,7 @@ class Publication:
         assert self.loaded is not None and self.holdout is not None and self.client is not None
         with self._stage("publish_export") as attrs:
             run_id, _ = export_mod.open_publish_run(
-                self.client, self.loaded.config, self.ref, self.training_run_id
+                self.client, self.loaded.config, self.ref, self.training_run_id, self.holdout.rows
             )
             self.exported = export_mod.export(
                 self.loaded, self.holdout.frame, run_id, f"{self.workdir}/export"
@@ -192,9 +207,13 @@ class Publication:
             v = validate.evaluate(self.loaded.model, self.holdout, self.exported.model_uri)
             self.validation = v
             attrs.update(v.metrics())
-            self.client.log_batch(
-                self.exported.publish_run_id,
-                metrics=[_metric(k, val) for k, val in v.metrics().items() if _finite(val)],
+            # On the LoggedModel, with the rows they were measured on: the model's page in
+            # MLflow shows them (and the publish run does too).
+            mlflow.log_metrics(
+                {k: val for k, val in v.metrics().items() if _finite(val)},
+                run_id=self.exported.publish_run_id,
+                model_id=self.exported.model_id,
+                dataset=self.holdout.dataset(),
             )
             failed = validate.failures(v, self.settings)
             if failed:
@@ -224,10 +243,6 @@ class Publication:
                 "anchor_world_size": str(self.ref.manifest.world_size),
                 "job_id": self.job_id,
                 "publish_run_id": self.exported.publish_run_id,
-                "holdout_auc": f"{v.auc:.6f}",
-                "holdout_logloss": f"{v.logloss:.6f}",
-                "holdout_rows": str(v.rows),
-                "parity_max_abs_diff": f"{v.parity_max_abs_diff:.3g}",
             }
             if self.training_run_id:
                 tags["training_run_id"] = self.training_run_id
@@ -243,9 +258,9 @@ class Publication:
                 name,
                 self.ref.key,
                 self.exported.model_id,
-                self.training_run_id or self.exported.publish_run_id,
                 tags,
                 promote,
+                self._version_description(v),
             )
             self.client.set_terminated(self.exported.publish_run_id, "FINISHED")
             self.result = self._result_from(version, name, already=not created)
@@ -255,13 +270,24 @@ class Publication:
         self.result.seconds = dict(self.seconds)
         return self.result
 
+    def _version_description(self, v: validate.Validation) -> str:
+        return (
+            f"From anchor checkpoint `{self.ref.uri}` (step {self.ref.step}) of job "
+            f"`{self.job_id}`. Publish gate on the first {v.rows} holdout rows (dataset "
+            f"`holdout[:{v.rows}]`, the rows every champion is re-scored on): AUC "
+            f"{v.auc:.4f}, log-loss {v.logloss:.4f}; the exported model matches the trainer's "
+            f"forward pass to {v.parity_max_abs_diff:.2g}. The training run's "
+            f"`trainer.holdout_auc` is on {self.config.train.eval_rows} rows of the same split."
+        )
+
     def _result_from(self, version: Any, name: str, already: bool) -> PublishResult:
         tags = version.tags or {}
-        metrics = {}
+        metrics: dict[str, float] = {}
         if self.validation is not None:
             metrics = self.validation.metrics()
-        elif "holdout_auc" in tags:
-            metrics = {"holdout_auc": float(tags["holdout_auc"])}
+        elif self.client is not None and (model_id := registry.model_id_of(version)):
+            logged = self.client.get_logged_model(model_id)
+            metrics = {m.key: m.value for m in logged.metrics or []}
         return PublishResult(
             registered_model=name,
             version=str(version.version),
@@ -284,14 +310,17 @@ class Publication:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def _metric(key: str, value: float) -> Any:
-    from mlflow.entities import Metric
-
-    return Metric(key, float(value), int(time.time() * 1000), 0)
-
-
 def _finite(value: float) -> bool:
     return value == value and abs(value) != float("inf")
+
+
+def worker_config() -> JobConfig:
+    """This process's own settings (embedded defaults + ETT_* environment): where the
+    worker's MLflow and storage are. PublishError when the environment is invalid."""
+    try:
+        return load_config()
+    except ConfigError as exc:
+        raise PublishError(f"the publishing worker's own settings are invalid: {exc}") from None
 
 
 def publish(

@@ -1,10 +1,14 @@
 """MLflow Model Registry: one version per anchor, aliases ``candidate`` and ``champion``.
 
+A version is registered from the publish run's LoggedModel (``mlflow.register_model`` of
+``models:/<model_id>``), so MLflow sets the lineage itself: the version's source run is the
+run that logged the model (the publish run, nested under the training run), and the model
+lists its versions (tag ``mlflow.modelVersions``).
+
 Idempotency: every version carries ``anchor_key`` (anchor URI + manifest checksum). A
 publish first searches for it; a version whose ``publish_status`` is ``complete`` means the
 anchor is published and nothing is done. A version left incomplete (a publisher died between
-creating it and setting its aliases) is completed, not duplicated. Two publishers racing on
-one anchor both create a version, see each other, and the higher version deletes itself.
+creating it and setting its aliases) is completed, not duplicated.
 """
 
 from __future__ import annotations
@@ -15,17 +19,17 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import mlflow
 import numpy as np
 from mlflow import MlflowClient
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 
-from publish.settings import PublishError
-
 log = logging.getLogger(__name__)
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 KEY_TAG, STATUS_TAG, COMPLETE = "anchor_key", "publish_status", "complete"
+READY_TIMEOUT_S = 300  # a new version's registration (copying the model) must finish by then
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,15 @@ class ChampionScore:
     version: str | None  # None: there is no champion yet
     auc: float | None
     error: str | None = None
+
+
+def model_id_of(version: ModelVersion) -> str | None:
+    """The LoggedModel a version was registered from (MLflow keeps it in ``source``,
+    ``models:/<model_id>``; ``version.model_id`` stays empty on an OSS registry)."""
+    if version.model_id:
+        return version.model_id
+    rest = (version.source or "").removeprefix("models:/")
+    return rest if rest != version.source and rest and "/" not in rest else None
 
 
 def versions_for_key(client: MlflowClient, name: str, key: str) -> list[ModelVersion]:
@@ -104,9 +117,9 @@ def register(
     name: str,
     key: str,
     model_id: str,
-    run_id: str,
     tags: dict[str, str],
     promote: bool,
+    description: str,
 ) -> tuple[ModelVersion, bool]:
     """Create (or complete) the version for this anchor, set aliases, mark it complete.
 
@@ -131,21 +144,18 @@ def register(
         for k, v in all_tags.items():
             client.set_model_version_tag(name, version.version, k, v)
     else:
-        try:
-            version = client.create_model_version(
-                name,
-                source=f"models:/{model_id}",
-                run_id=run_id,
-                tags=all_tags,
-                model_id=model_id,
-            )
-        except MlflowException as exc:
-            raise PublishError(f"registering {name} failed: {exc.message}") from exc
-        _wait_ready(client, name, version.version)
+        # Waits until the version is READY (await_registration_for); raises if it failed.
+        version = mlflow.register_model(
+            f"models:/{model_id}", name, await_registration_for=READY_TIMEOUT_S, tags=all_tags
+        )
+        # --- race handling: two publishers of one anchor at once. Delete this block once the
+        # publish deployment's ENQUEUE concurrency limit (prefect.yaml) serializes publishing.
         first = versions_for_key(client, name, key)[0]
         if first.version != version.version:  # lost a race: keep the older version
             client.delete_model_version(name, version.version)
             return published_or_wait(client, name, key, first), False
+        # --- end of race handling
+    client.update_model_version(name, version.version, description=description)
     client.set_registered_model_alias(name, CANDIDATE, version.version)
     if promote:
         client.set_registered_model_alias(name, CHAMPION, version.version)
@@ -164,15 +174,3 @@ def published_or_wait(
             return current
         time.sleep(0.5)
     return client.get_model_version(name, version.version)
-
-
-def _wait_ready(client: MlflowClient, name: str, version: str, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = client.get_model_version(name, version).status
-        if status == "READY":
-            return
-        if status == "FAILED_REGISTRATION":
-            raise PublishError(f"MLflow failed to register {name} version {version}")
-        time.sleep(0.2)
-    raise PublishError(f"{name} version {version} not READY after {timeout_s:.0f} s")

@@ -33,8 +33,10 @@ class PublishSettings(BaseSettings):
     champion_margin: float = Field(default=0.0, ge=-1.0, le=1.0)
     # Publish only checkpoints whose manifest says anchor (False: any committed checkpoint).
     require_anchor: bool = True
-    # Where to register; None: the checkpoint's config (tracking.mlflow_uri/registered_model).
+    # The MLflow server to publish to; None: this worker's ETT_TRACKING__MLFLOW_URI (never the
+    # checkpoint's config.yaml, which could send the worker's token to another host).
     tracking_uri: str | None = None
+    # The registry name; None: the one the job's config names (tracking.registered_model).
     registered_model: str | None = None
 
 

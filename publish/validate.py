@@ -8,6 +8,13 @@ a champion is re-scored on exactly the rows its challenger saw):
 - sanity: no NaN/inf prediction, both classes present, mean predicted CTR within
   ``calibration_ratio`` of the observed CTR, optional AUC floor;
 - quality: holdout AUC and log-loss (recorded; compared with the champion at registration).
+
+The numbers are logged as ``publish.*`` (``Validation.metrics``) on the exported model with
+the dataset ``holdout[:rows]``: the trainer's own ``trainer.holdout_auc`` is on
+``train.eval_rows`` rows of the same split, so the two differ by sampling noise.
+
+This is the project's own gate rather than ``mlflow.models.evaluate`` +
+``validate_evaluation_results``; docs/publishing.md says why.
 """
 
 from __future__ import annotations
@@ -19,13 +26,18 @@ import mlflow
 import numpy as np
 import pandas as pd
 import torch
+from mlflow.data.meta_dataset import MetaDataset
 
 from infra.settings import JobConfig
+from infra.tracking import holdout_dataset
 from publish import serving
 from publish.settings import PublishError, PublishSettings
 from trainer.data.batch import Batch
 from trainer.data.loader import holdout_batches
 from trainer.evaluation import auc_and_logloss, predict
+
+METRIC_PREFIX = "publish."
+_NAMES = {"rows": "holdout_rows", "auc": "holdout_auc", "logloss": "holdout_logloss"}
 
 
 @dataclass
@@ -33,10 +45,15 @@ class Holdout:
     batches: list[Batch]
     frame: pd.DataFrame  # the same rows as serving input
     labels: torch.Tensor
+    data_url: str
 
     @property
     def rows(self) -> int:
         return int(self.labels.numel())
+
+    def dataset(self) -> MetaDataset:
+        """These rows as an MLflow dataset (``holdout[:rows]``)."""
+        return holdout_dataset(self.data_url, self.rows)
 
 
 @dataclass(frozen=True)
@@ -50,7 +67,8 @@ class Validation:
     nonfinite_predictions: int
 
     def metrics(self) -> dict[str, float]:
-        return {f"holdout_{k}": float(v) for k, v in asdict(self).items()}
+        """The numbers as logged: ``publish.holdout_auc``, ``publish.parity_max_abs_diff``..."""
+        return {f"{METRIC_PREFIX}{_NAMES.get(k, k)}": float(v) for k, v in asdict(self).items()}
 
 
 def load_holdout(config: JobConfig, settings: PublishSettings) -> Holdout:
@@ -62,7 +80,7 @@ def load_holdout(config: JobConfig, settings: PublishSettings) -> Holdout:
     if not batches:
         raise PublishError(f"the holdout split of {config.data.url} is empty")
     frame = pd.concat([serving.batch_to_frame(b, config.data) for b in batches], ignore_index=True)
-    return Holdout(batches, frame, torch.cat([b.labels for b in batches]))
+    return Holdout(batches, frame, torch.cat([b.labels for b in batches]), config.data.url)
 
 
 def auc_of(probs: np.ndarray, labels: torch.Tensor) -> float:

@@ -1,9 +1,12 @@
 """Prefect tasks for publishing: each one stage of publish.pipeline.Publication.
 
 The stages pass one in-process Publication object along (a torch model, a holdout frame):
-results are never persisted or cached (NO_CACHE), and retries go only where a stage is safe
-to repeat. Registration is idempotent (one version per anchor key), so it retries on
-transient MLflow errors; a PublishError (corrupt anchor, failed validation) is final.
+results are never persisted or cached (NO_CACHE). Every stage that talks to MLflow retries
+with exponential backoff (10, 20, 40 s, plus jitter) when the error is not a refusal, so a
+short MLflow outage delays a publish instead of failing it: each stage is safe to repeat (a
+repeated export opens a new publish run and the failed one is marked FAILED; registration is
+idempotent, one version per anchor key). A PublishError (corrupt anchor, failed validation)
+is final.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
 
 from publish.pipeline import Publication, PublishResult
 from publish.settings import PublishError
@@ -28,7 +32,15 @@ def _transient(task: Any, task_run: Any, state: Any) -> bool:
     return False
 
 
-@task(name="publish-prepare", cache_policy=NO_CACHE)
+RETRIES = {
+    "retries": 3,
+    "retry_delay_seconds": exponential_backoff(backoff_factor=10),
+    "retry_jitter_factor": 0.5,
+    "retry_condition_fn": _transient,
+}
+
+
+@task(name="publish-prepare", cache_policy=NO_CACHE, **RETRIES)
 def prepare(
     uri: str,
     step: int | None,
@@ -42,28 +54,22 @@ def prepare(
 
 @task(name="publish-load", cache_policy=NO_CACHE)
 def load(pub: Publication) -> Publication:
-    pub.load()
+    pub.load()  # storage retries its own reads
     return pub
 
 
-@task(name="publish-export", cache_policy=NO_CACHE)
+@task(name="publish-export", cache_policy=NO_CACHE, **RETRIES)
 def export(pub: Publication) -> Publication:
     pub.export()
     return pub
 
 
-@task(name="publish-validate", cache_policy=NO_CACHE)
+@task(name="publish-validate", cache_policy=NO_CACHE, **RETRIES)
 def validate(pub: Publication) -> Publication:
     pub.validate()
     return pub
 
 
-@task(
-    name="publish-register",
-    cache_policy=NO_CACHE,
-    retries=2,
-    retry_delay_seconds=5,
-    retry_condition_fn=_transient,
-)
+@task(name="publish-register", cache_policy=NO_CACHE, **RETRIES)
 def register(pub: Publication) -> PublishResult:
     return pub.register()

@@ -1,13 +1,19 @@
 """Prefect tasks for the ETT accounting of a job: MLflow run, attempts, report, fleet view.
 
-Tracking is best effort on the training path: an MLflow outage must never stop or fail a
-training job (its ledger keeps every number; the report can be logged again later with
-``ett report``). The report task itself fails loudly if the ledger cannot be read.
+Tracking never holds up training: an MLflow outage must not stop, fail or slow a job (its
+ledger keeps every number). Attempts are logged on a background thread, so a relaunch never
+waits for MLflow; at the end of the flow the job is logged whole from its ledger, which also
+fills in whatever an outage kept out (a job that started while MLflow was down included). If
+MLflow is still down then, ``ett report --log JOB`` logs it later. The report task itself fails
+loudly if the ledger cannot be read.
 """
 
 from __future__ import annotations
 
+import contextvars
 import re
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +28,13 @@ from infra.settings import JobConfig
 from tasks.attempts import AttemptReport
 from tasks.logs import logger
 
+# How long the end of a flow waits for attempt logs still in flight (each call is bounded by
+# tracking.HTTP_DEFAULTS; this only caps a long queue behind a hung server).
+PENDING_WAIT_S = 60.0
+
+_background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ett-tracking")
+_pending: list[Future[None]] = []
+
 
 def artifact_key(*parts: str) -> str:
     """Prefect artifact keys allow lowercase letters, digits and dashes only."""
@@ -31,63 +44,68 @@ def artifact_key(*parts: str) -> str:
 
 @task(name="start-tracking", cache_policy=NO_CACHE)
 def start_tracking(config: JobConfig) -> str | None:
-    """The job's MLflow run id (a resumed job gets its run back); None if MLflow is down."""
+    """The job's MLflow run id (a re-run job gets its run back); None if MLflow is down."""
     try:
         return tracking.start_job_run(config)
     except Exception as exc:  # noqa: BLE001 - tracking must not stop training
-        logger().warning("MLflow tracking unavailable (%s): training continues untracked", exc)
+        logger().warning(
+            "MLflow unavailable (%s): training continues; the job is logged from its ledger "
+            "at the end of the flow",
+            exc,
+        )
         return None
 
 
 def log_attempt(run_id: str | None, tracking_uri: str, report: AttemptReport) -> None:
+    """Queue one attempt for MLflow and return at once: the next attempt never waits for it."""
     if run_id is None:
-        return
-    try:
-        tracking.log_attempt(
-            run_id,
-            report.attempt,
-            report.exit_code,
-            str(report.outcome),
-            report.started,
-            report.ended,
-            report.last_step,
-            tracking_uri=tracking_uri,
-        )
-    except Exception as exc:  # noqa: BLE001
-        logger().warning("could not log attempt %d to MLflow: %s", report.attempt, exc)
+        return  # logged from the ledger at the end of the flow
+    log = logger()  # the caller's run logger
+    context = contextvars.copy_context()  # ...and Prefect settings, on the background thread
+
+    def send() -> None:
+        try:
+            tracking.log_attempt(run_id, report, tracking_uri=tracking_uri)
+        except Exception as exc:  # noqa: BLE001 - filled in at the end of the flow
+            log.warning("could not log attempt %d to MLflow: %s", report.attempt, exc)
+
+    _pending.append(_background.submit(context.run, send))
+
+
+def _drain_pending(timeout_s: float = PENDING_WAIT_S) -> None:
+    _, late = wait(list(_pending), timeout=timeout_s)
+    _pending[:] = list(late)
 
 
 @task(name="ett-report", cache_policy=NO_CACHE)
 def report_job(
-    job_url: str,
-    job_id: str,
+    config: JobConfig,
     run_id: str | None,
-    tracking_uri: str,
     extra_metrics: dict[str, float] | None = None,
     succeeded: bool = True,
 ) -> dict[str, Any]:
     """Compute the job's ETT report from its ledger, publish it as a Prefect markdown artifact,
-    log it to the job's MLflow run (ending the run), and return its headline numbers."""
+    log the job to MLflow (its run ends), and return its headline numbers and run id."""
     log = logger()
-    report: EttReport = report_for_job(job_url)
-    log.info("ETT report of %s:\n%s", job_id, format_table(report))
+    report: EttReport = report_for_job(config.job_url)
+    log.info("ETT report of %s:\n%s", config.job_id, format_table(report))
     create_markdown_artifact(
         markdown=to_markdown(report),
-        key=artifact_key("ett", job_id),
-        description=f"ETT breakdown of job {job_id}: {report.ett_pct:.1f}% effective",
+        key=artifact_key("ett", config.job_id),
+        description=f"ETT breakdown of job {config.job_id}: {report.ett_pct:.1f}% effective",
     )
-    if run_id is not None:
-        try:
-            tracking.log_job_report(
-                run_id,
-                report,
-                job_url,
-                extra_metrics,
-                tracking_uri=tracking_uri,
-                status="FINISHED" if succeeded else "FAILED",
-            )
-        except Exception as exc:  # noqa: BLE001
-            log.warning("could not log the ETT report to MLflow run %s: %s", run_id, exc)
+    _drain_pending()
+    try:
+        run_id, _ = tracking.log_job(
+            config, run_id, succeeded=succeeded, extra_metrics=extra_metrics
+        )
+    except Exception as exc:  # noqa: BLE001 - the ledger keeps everything for later
+        log.warning(
+            "could not log job %s to MLflow (%s); once it is back: ett report --log %s",
+            config.job_id,
+            exc,
+            config.job_id,
+        )
     return {
         "ett_pct": report.ett_pct,
         "failure_pct": report.failure_pct,
@@ -97,25 +115,36 @@ def report_job(
         "time_to_start_s": report.time_to_start_s,
         "time_to_recover_s": [f.time_to_recover_s for f in report.failures],
         "finished": report.finished,
+        "mlflow_run_id": run_id,
     }
 
 
 @task(name="fleet-report", cache_policy=NO_CACHE)
-def fleet_report(tracking_uri: str, experiment: str, out_dir: str) -> dict[str, Any]:
-    """The fleet view of an experiment as a Prefect markdown artifact (+ files in out_dir)."""
+def fleet_report(tracking_uri: str, experiment: str, out_dir: str | None) -> dict[str, Any]:
+    """The fleet view of an experiment as a Prefect markdown artifact and as files in the
+    experiment's fleet run in MLflow (and in ``out_dir`` when given)."""
     from infra import fleet
 
-    summary = fleet.fleet_summary(tracking_uri, experiment, Path(out_dir))
-    logger().info("%s", fleet.format_fleet(summary))
-    create_markdown_artifact(
-        markdown=fleet.to_markdown(summary),
-        key=artifact_key("ett-fleet", experiment),
-        description=f"Fleet ETT of experiment {experiment}: {len(summary.jobs)} job(s)",
-    )
+    with tempfile.TemporaryDirectory(prefix="ett-fleet-") as tmp:
+        summary = fleet.fleet_summary(tracking_uri, experiment, Path(out_dir or tmp))
+        logger().info("%s", fleet.format_fleet(summary))
+        create_markdown_artifact(
+            markdown=fleet.to_markdown(summary),
+            key=artifact_key("ett-fleet", experiment),
+            description=f"Fleet ETT of experiment {experiment}: {len(summary.jobs)} job(s)",
+        )
+        totals = summary.stats.get("totals", {})
+        run_id = tracking.log_fleet_report(
+            tracking_uri,
+            experiment,
+            summary.files,
+            {f"fleet.{k}": v for k, v in totals.items() if isinstance(v, (int, float))},
+        )
     return {
         "jobs": len(summary.jobs),
         "in_progress": list(summary.in_progress),
         "regressions": [r.message for r in summary.regressions],
         "fleet_ett_pct": summary.stats["totals"]["fleet_ett_pct"],
-        "files": summary.files,
+        "files": summary.files if out_dir else {},
+        "mlflow_run_id": run_id,
     }

@@ -69,6 +69,7 @@ def _prefect(*args: str, timeout: float = 300) -> str:
 def worker(
     prefect_server: str,  # noqa: F811
     s3_server: str,  # noqa: F811
+    mlflow_server: str,  # noqa: F811
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Path]:
     """Deployments from prefect.yaml and a process worker; yields the worker's log file."""
@@ -76,6 +77,7 @@ def worker(
     log = tmp_path_factory.mktemp("worker") / "worker.log"
     env = {
         **os.environ,
+        "ETT_TRACKING__MLFLOW_URI": mlflow_server,  # publishing uses the worker's MLflow
         "PREFECT_WORKER_QUERY_SECONDS": "2",
         "PYTHONPATH": str(ROOT),
         "OMP_NUM_THREADS": "1",

@@ -103,7 +103,7 @@ def test_train_flow_recovers_emits_anchor_and_reports(
     children = ml.search_runs(
         [run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run.info.run_id}'"
     )
-    assert sorted(c.data.tags["cause"] for c in children) == ["crash", "success"]
+    assert sorted(c.data.tags["ett.outcome"] for c in children) == ["crash", "success"]
 
 
 def test_train_flow_fails_clearly_and_still_reports(

@@ -50,7 +50,8 @@ def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             )
             run_id = tracking.start_job_run(config)
             if fail:  # nested attempt runs must not count as jobs
-                tracking.log_attempt(run_id, 0, -9, "sigkill", T0, T0 + 100, fail)
+                attempt = tracking.LedgerAttempt(0, "sigkill", -9, T0, T0 + 100, fail)
+                tracking.log_attempt(run_id, attempt)
             reports[config.job_id] = report_for_job(config.job_url)
             tracking.log_job_report(run_id, reports[config.job_id], config.job_url)
     # Started, not reported yet: listed as in progress, not as a job.

@@ -1,4 +1,5 @@
-"""infra/tracking.py against a real SQLite MLflow store, with ETT reports from hand-made ledgers.
+"""infra/tracking.py against a real SQLite MLflow store, with ETT reports from hand-made ledgers
+(the outage path against a real ``mlflow server`` is in tests/reliability/test_mlflow_outage.py).
 
 One store per module; each test uses its own job ids. Creating MLflow's tables runs all of its
 schema migrations (5-20 s here), so ``sqlite_store`` copies an empty, migrated database made once
@@ -10,22 +11,36 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
+import subprocess
+import threading
 from pathlib import Path
 
 import mlflow
 import pytest
 from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
 
 from infra import storage, tracking
 from infra.ett import report_for_job
 from infra.ett_report import format_table
-from infra.ledger import Ledger, ledger_url
+from infra.ledger import Ledger, ledger_url, read_events
 from infra.settings import JobConfig
 from tests.factories import tiny_config
 
 SECRET = "FAKE-SECRET-do-not-log-7f3a9c"
 KEY_ID = "FAKEKEYID-4e1b"
 T0 = 1_700_000_000.0
+EVAL_ROWS = 512
+
+
+def loss_at(step: int, attempt: int) -> float:
+    """A recognisable loss: which attempt ran a step shows in its value."""
+    return round(1.0 / step + 0.5 * attempt, 6)
+
+
+def auc_at(step: int, attempt: int) -> float:
+    return round(0.5 + step / 1000 + 0.01 * attempt, 6)
 
 
 def write_job(
@@ -38,10 +53,12 @@ def write_job(
     blocking_s: float = 0.25,
     fail_after: int | None = None,
     restart_s: float = 8.0,
+    eval_every: int = 0,
 ) -> None:
     """A job's ledger (orchestrator + trainer, rank 0): startup, steps with checkpoints, and
     optionally a SIGKILL right after step ``fail_after``; the next attempt needs ``restart_s``
-    from the death to its first step and resumes from the last checkpoint."""
+    from the death to its first step and resumes from the last checkpoint. Each step records
+    its loss (``loss_at``), an eval every ``eval_every`` steps its AUC (``auc_at``)."""
     clock = lambda: t0  # noqa: E731 - all times are explicit
     attempt, t = 0, t0
     orch = Ledger(job_url, attempt=0, role="orchestrator", clock=clock)
@@ -52,8 +69,12 @@ def write_job(
     t += startup_s
     step, last_ckpt = 1, 0
     while step <= steps:
-        tr.record_span("train_step", t, t + step_s, step=step)
+        tr.record_span("train_step", t, t + step_s, step=step, loss=loss_at(step, attempt))
         t += step_s
+        if eval_every and step % eval_every == 0:
+            auc = auc_at(step, attempt)
+            tr.record_span("eval", t, t + 0.5, step=step, auc=auc, logloss=1 - auc, rows=EVAL_ROWS)
+            t += 0.5
         if step % ckpt_every == 0:
             tr.record_span("checkpoint_blocking", t, t + blocking_s, step=step)
             t += blocking_s
@@ -61,7 +82,7 @@ def write_job(
             last_ckpt = step
         if attempt == 0 and step == fail_after:
             tr.close()
-            orch.mark("failure", step=step, t=t + 0.5, cause="sigkill")
+            orch.mark("failure", step=step, t=t + 0.5, cause="sigkill", exit_code=-9)
             orch.close()
             attempt = 1
             orch = Ledger(job_url, attempt=1, role="orchestrator", clock=clock)
@@ -109,49 +130,71 @@ def _config(tmp_path: Path, store: str, job_id: str, monkeypatch: pytest.MonkeyP
     return config
 
 
-def test_job_run_holds_report_params_attempts_and_artifacts(
+def _git_head() -> str:
+    out = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=tracking.REPO_ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr  # the test suite runs from a git checkout
+    return out.stdout.strip()
+
+
+def test_job_run_holds_report_curves_attempts_and_artifacts(
     tmp_path: Path, store: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = _config(tmp_path, store, "job-report", monkeypatch)
-    write_job(config.job_url, fail_after=7)
+    write_job(config.job_url, fail_after=7, eval_every=5)
+    events = read_events(config.job_url)
     report = report_for_job(config.job_url)
     assert report.num_failures == 1 and report.observed_unsaved_s == 2.0
 
     run_id = tracking.start_job_run(config)
-    a0 = tracking.log_attempt(
-        run_id,
-        0,
-        exit_code=-9,
-        cause="sigkill",
-        started=T0,
-        ended=T0 + 17.75,
-        last_step=7,
-        tracking_uri=store,
-    )
-    a1 = tracking.log_attempt(run_id, 1, 0, "completed", T0 + 17.75, T0 + 40.0, 20)
+    attempts = tracking.attempts_from_ledger(report, events)
+    children = [tracking.log_attempt(run_id, a, tracking_uri=store) for a in attempts]
     logged = tracking.log_job_report(
-        run_id, report, config.job_url, extra_metrics={"advisor.interval_s": 12.5}
+        run_id,
+        report,
+        config.job_url,
+        extra_metrics={"advisor.interval_s": 12.5},
+        data_url=config.data.url,
     )
 
     client = MlflowClient(tracking_uri=store)
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "job-report"
-    assert run.data.tags["ett.job_id"] == "job-report"
-    assert run.data.tags["ett.job_url"] == config.job_url
+    tags = run.data.tags
+    assert tags["ett.job_id"] == "job-report" and tags["ett.job_url"] == config.job_url
+    # Source and commit (the UI's Source column), a description naming the two holdout AUCs.
+    assert tags["mlflow.source.name"] == "flows/train_flow.py"
+    assert tags["mlflow.source.type"] == "JOB"
+    assert tags["mlflow.source.git.commit"] == _git_head()
+    assert "trainer.holdout_auc" in tags["mlflow.note.content"]
+    assert f"first {config.train.eval_rows} holdout rows" in tags["mlflow.note.content"]
+    # The experiment opens as model training, not as a GenAI project.
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     # Metrics: exactly the report's numbers, under ett.*; plus the L2 shares and extras.
     m = run.data.metrics
     for name, value in report.to_metrics().items():
         assert m[f"ett.{name}"] == pytest.approx(value, rel=1e-12), name
     assert m["ett.ett_pct"] == report.ett_pct and m["ett.num_failures"] == 1
-    assert m["ett.time_to_start_s"] == 10.0 and m["ett.time_to_recover_total_s"] == 8.0
+    assert m["ett.time_to_start_s"] == 10.0
     for bucket, pct in report.bucket_pct().items():
         assert m[f"ett.bucket_{bucket}_pct"] == pytest.approx(pct)
-    assert m["ett.start_time"] == T0 and m["advisor.interval_s"] == 12.5
-    assert logged["ett.ett_pct"] == report.ett_pct
+    assert m["advisor.interval_s"] == 12.5 and logged["ett.ett_pct"] == report.ett_pct
     ttr = client.get_metric_history(run_id, "ett.time_to_recover_s")
-    assert [(h.step, h.value) for h in ttr] == [(0, 8.0)]
+    assert [h.step for h in ttr] == [0] and ttr[0].value == report.time_to_recover_total_s
     init = {h.step: h.value for h in client.get_metric_history(run_id, "ett.init.pre_train_s")}
     assert init == {0: 5.0, 1: 6.0}
+    # Curves by step from the ledger: one point per step, a redone step from its last run.
+    loss = {h.step: h.value for h in client.get_metric_history(run_id, "trainer.loss")}
+    assert sorted(loss) == list(range(1, 21))
+    assert loss[5] == loss_at(5, 0) and loss[6] == loss_at(6, 1) and loss[20] == loss_at(20, 1)
+    auc = {h.step: h.value for h in client.get_metric_history(run_id, "trainer.holdout_auc")}
+    assert auc == {5: auc_at(5, 0), 10: auc_at(10, 1), 15: auc_at(15, 1), 20: auc_at(20, 1)}
+    assert len(client.get_metric_history(run_id, "trainer.holdout_logloss")) == 4
+    # The trainer's eval data set, named by its size.
+    inputs = run.inputs.dataset_inputs
+    assert [d.dataset.name for d in inputs] == [f"holdout[:{EVAL_ROWS}]"]
     # Params: the flattened public config, and no credential anywhere.
     p = run.data.params
     assert p["job_id"] == "job-report" and p["train.steps"] == "20"
@@ -160,14 +203,24 @@ def test_job_run_holds_report_params_attempts_and_artifacts(
     assert not any("secret" in k or "access_key" in k for k in p)
     for text in [*p.values(), *p.keys(), *run.data.tags.values()]:
         assert SECRET not in text and KEY_ID not in text
-    # Attempts: nested runs tagged with their number, status from the exit code.
-    for child_id, attempt, status, code in [(a0, 0, "FAILED", "-9"), (a1, 1, "FINISHED", "0")]:
+    # Attempts: nested runs; times are the run's own, outcome and exit code tags, duration
+    # and last step metrics; nothing twice, no timestamps among the metrics.
+    expected = [(0, "sigkill", "-9", 7, "FAILED"), (1, "success", "0", 20, "FINISHED")]
+    for child_id, a, (number, outcome, code, last, status) in zip(
+        children, attempts, expected, strict=True
+    ):
         child = client.get_run(child_id)
         assert child.data.tags["mlflow.parentRunId"] == run_id
-        assert child.data.tags["attempt"] == str(attempt) and child.info.status == status
-        assert child.data.params["exit_code"] == code
-    assert client.get_run(a0).data.metrics["duration_s"] == 17.75
-    assert client.get_run(a0).data.params["last_step"] == "7"
+        assert child.data.tags["ett.attempt"] == str(number)
+        assert child.data.tags["ett.outcome"] == outcome
+        assert child.data.tags["ett.exit_code"] == code and child.info.status == status
+        assert child.info.start_time == int(a.started * 1000)
+        assert child.info.end_time == int(a.ended * 1000)
+        assert child.data.params == {}
+        assert child.data.tags["mlflow.source.git.commit"] == _git_head()
+        assert child.data.metrics == {"duration_s": a.ended - a.started, "last_step": last}
+    own = [e for e in events if e.attempt == 1 and e.name != "scheduling"]
+    assert attempts[1].started == min(e.start for e in own)
     # Artifacts: report, table, PNG chart and every ledger file, byte for byte.
     dst = Path(
         mlflow.artifacts.download_artifacts(
@@ -189,10 +242,10 @@ def test_job_run_holds_report_params_attempts_and_artifacts(
     assert Path(store[len("sqlite:///") :]).parent.joinpath("mlartifacts").is_dir()
 
 
-def test_resumed_job_reuses_its_run(
+def test_a_job_run_again_keeps_its_one_run(
     tmp_path: Path, store: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = _config(tmp_path, store, "job-resume", monkeypatch)
+    config = _config(tmp_path, store, "job-rerun", monkeypatch)
     client = MlflowClient(tracking_uri=store)
     first = tracking.start_job_run(config)
     tracking._run_uris.clear()  # as if the orchestrator restarted in a new process
@@ -200,7 +253,7 @@ def test_resumed_job_reuses_its_run(
     # An orchestrator that crashed may have left the run FAILED: the resumed job takes it back.
     client.set_terminated(first, status="FAILED")
     changed = tiny_config(
-        tmp_path, job_id="job-resume", tracking={"mlflow_uri": store}, train={"steps": 99}
+        tmp_path, job_id="job-rerun", tracking={"mlflow_uri": store}, train={"steps": 99}
     )
     assert tracking.start_job_run(changed) == first
     run = client.get_run(first)
@@ -208,18 +261,124 @@ def test_resumed_job_reuses_its_run(
     assert run.data.params["train.steps"] == "20"  # params are immutable: the first ones stay
     assert run.data.tags["ett.params_changed_on_resume"] == "train.steps"
     # Logging one attempt twice updates it instead of adding a second nested run.
-    a = tracking.log_attempt(first, 0, -9, "sigkill", T0, T0 + 5, None, tracking_uri=store)
-    b = tracking.log_attempt(first, 0, -9, "sigkill", T0, T0 + 6, None, tracking_uri=store)
-    assert a == b and client.get_run(a).data.metrics["duration_s"] == 6.0
-    # Once the job's run is finished, the same job id starts a new run.
-    write_job(config.job_url)
-    tracking.log_job_report(
-        first, report_for_job(config.job_url), config.job_url, tracking_uri=store
+    a = tracking.LedgerAttempt(0, "sigkill", -9, T0, T0 + 5, None)
+    b = tracking.LedgerAttempt(0, "sigkill", -9, T0, T0 + 6, None)
+    assert tracking.log_attempt(first, a, tracking_uri=store) == tracking.log_attempt(
+        first, b, tracking_uri=store
     )
-    second = tracking.start_job_run(config)
-    assert second != first and client.get_run(second).info.status == "RUNNING"
-    runs = client.search_runs([run.info.experiment_id], "tags.`ett.job_id` = 'job-resume'")
-    assert {r.info.run_id for r in runs} == {first, second}
+    # A job that finished and is run again continues in its run: one run per job.
+    write_job(config.job_url)
+    tracking.log_job(config, first, succeeded=True)
+    assert client.get_run(first).info.status == "FINISHED"
+    again = tracking.start_job_run(config)
+    assert again == first and client.get_run(first).info.status == "RUNNING"
+    runs = client.search_runs([run.info.experiment_id], "tags.`ett.job_id` = 'job-rerun'")
+    assert [r.info.run_id for r in runs] == [first]
+
+
+def test_a_job_is_logged_whole_from_its_ledger_later(
+    tmp_path: Path, store: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `ett report --log` does for a job that ran while MLflow was down: the run, its
+    attempts and curves from the ledger, in batches (1,500 steps: more than one log_batch
+    request holds); logging it again adds nothing."""
+    config = _config(tmp_path, store, "job-late", monkeypatch)
+    write_job(config.job_url, steps=1500, ckpt_every=100, fail_after=150, eval_every=500)
+    run_id, scalars = tracking.log_job(config)
+
+    client = MlflowClient(tracking_uri=store)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and scalars["ett.num_failures"] == 1.0
+    assert len(client.get_metric_history(run_id, "trainer.loss")) == 1500
+    children = client.search_runs(
+        [run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run_id}'"
+    )
+    got = sorted((c.data.tags["ett.attempt"], c.data.tags["ett.outcome"]) for c in children)
+    assert got == [("0", "sigkill"), ("1", "success")]
+
+    assert tracking.log_job(config)[0] == run_id
+    assert len(client.get_metric_history(run_id, "trainer.loss")) == 1500
+    assert len(client.search_runs([run.info.experiment_id], "tags.`ett.job_id` = 'job-late'")) == 1
+    assert (
+        len(client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run_id}'"))
+        == 2
+    )
+
+
+def test_experiment_kind_is_set_once_and_a_users_choice_kept(store: str) -> None:
+    client = MlflowClient(tracking_uri=store)
+    mine = client.create_experiment("kind-mine", tags={"mlflow.experimentKind": "finetuning"})
+    bare = client.create_experiment("kind-bare")
+    assert tracking.ensure_experiment(client, "kind-mine", store) == mine
+    assert tracking.ensure_experiment(client, "kind-bare", store) == bare
+    assert client.get_experiment(mine).tags["mlflow.experimentKind"] == "finetuning"
+    assert client.get_experiment(bare).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+class _Refuser:
+    """A loopback port that accepts each connection and closes it at once: every HTTP call
+    to it fails, and the accepts count how often MLflow tried."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+        self.thread.join(timeout=5)
+
+
+def test_a_dead_tracking_server_is_given_up_on_after_two_retries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key in tracking.HTTP_DEFAULTS:
+        monkeypatch.delenv(key, raising=False)
+    server = _Refuser()
+    try:
+        config = tiny_config(tmp_path, job_id="dead", tracking={"mlflow_uri": server.url})
+        with pytest.raises(MlflowException):
+            tracking.start_job_run(config)
+    finally:
+        server.close()
+    # MLflow's own default would try 8 times over ~4 minutes; bounded: 1 + 2 retries.
+    assert server.accepted == 3
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "10"
+    # An operator's own setting wins.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    tracking.bound_http_calls()
+    assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "0"
+
+
+def test_fleet_files_go_to_one_fleet_run(tmp_path: Path, store: str) -> None:
+    png = tmp_path / "ett_trend.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\nfake")
+    md = tmp_path / "fleet.md"
+    md.write_text("# fleet\n")
+    files = {"ett_trend": str(png), "md": str(md)}
+    first = tracking.log_fleet_report(store, "fleet-runs", files, {"fleet.fleet_ett_pct": 71.5})
+    again = tracking.log_fleet_report(store, "fleet-runs", files, {"fleet.fleet_ett_pct": 72.0})
+    assert first == again
+    client = MlflowClient(tracking_uri=store)
+    run = client.get_run(first)
+    assert run.data.tags["ett.kind"] == "fleet" and run.info.status == "FINISHED"
+    assert [h.value for h in client.get_metric_history(first, "fleet.fleet_ett_pct")] == [
+        71.5,
+        72.0,
+    ]
+    names = sorted(a.path for a in client.list_artifacts(first, "fleet"))
+    assert names == ["fleet/ett_trend.png", "fleet/fleet.md"]
 
 
 def test_flatten_params_and_redaction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -235,4 +394,4 @@ def test_flatten_params_and_redaction(tmp_path: Path, monkeypatch: pytest.Monkey
     assert tracking.job_params(config)["tracking.mlflow_uri"] == "http://mlflow:5000"
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     with pytest.raises(ValueError, match="tracking_uri"):
-        tracking.log_attempt("unknown-run", 0, 0, "ok", T0, T0 + 1, None)
+        tracking.log_attempt("unknown-run", tracking.LedgerAttempt(0, "success", 0, T0, T0, None))

@@ -7,30 +7,39 @@ champion, later ones are checked against it.
 
 from __future__ import annotations
 
+import dataclasses
+import email.parser
+import importlib.metadata
 import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
+import zipfile
 from pathlib import Path
 
 import mlflow
 import numpy as np
 import pytest
 import torch
+import yaml
 from mlflow import MlflowClient
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from infra import storage
 from infra.ledger import PUBLISH_SPANS, read_events
-from publish import serving
+from publish import registry, serving
 from publish.load import resolve
 from publish.pipeline import publish
 from publish.settings import PublishError
 from tests.factories import ROOT
-from tests.publish.conftest import TrainedJob
+from tests.publish.conftest import TrainedJob, _copy_tree
 from trainer.checkpoint.manifest import CommittedCheckpoint, read_manifest
 from trainer.checkpoint.restore import load_into
 from trainer.data.loader import holdout_batches
@@ -42,6 +51,13 @@ pytestmark = pytest.mark.slow
 HOLDOUT_ROWS = 1000
 # 20 tiny steps do not calibrate a model tightly; the bound under test is set per test.
 SETTINGS = {"holdout_rows": HOLDOUT_ROWS, "calibration_ratio": 3.0}
+
+
+@pytest.fixture(autouse=True)
+def worker_env(trained_job: TrainedJob, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This test process is the publishing worker: its MLflow is the test server (S3 comes
+    from the s3_server fixture's AWS_* variables)."""
+    monkeypatch.setenv("ETT_TRACKING__MLFLOW_URI", trained_job.tracking_uri)
 
 
 def _versions(job: TrainedJob) -> list:
@@ -70,7 +86,12 @@ def published(trained_job: TrainedJob) -> dict:
         for k, v in os.environ.items()
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
-    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.update(
+        CUDA_VISIBLE_DEVICES="",
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        ETT_TRACKING__MLFLOW_URI=job.tracking_uri,  # the worker's MLflow
+    )
     cmd = [
         sys.executable,
         "-m",
@@ -105,21 +126,37 @@ def test_two_rank_anchor_is_published_from_one_cpu_process(
     assert published["promoted"] is True  # the first version becomes the champion
     assert set(published["aliases"]) == {"candidate", "champion"}
     metrics = published["metrics"]
-    assert metrics["holdout_parity_max_abs_diff"] <= 1e-5
-    assert 0.0 < metrics["holdout_auc"] <= 1.0 and metrics["holdout_rows"] == HOLDOUT_ROWS
+    assert metrics["publish.parity_max_abs_diff"] <= 1e-5
+    assert 0.0 < metrics["publish.holdout_auc"] <= 1.0
+    assert metrics["publish.holdout_rows"] == HOLDOUT_ROWS
 
     client = MlflowClient(job.tracking_uri)
     version = client.get_model_version(job.registered_model, published["version"])
     tags = version.tags
-    assert version.run_id == job.training_run_id  # lineage: the training run
     assert tags["anchor_uri"] == job.s3_anchor_url
     assert tags["anchor_step"] == "20" and tags["job_id"] == job.config.job_id
     assert tags["anchor_key"] == resolve(job.s3_anchor_url).key
     assert tags["training_run_id"] == job.training_run_id
     assert tags["published_at"] and tags["publish_status"] == "complete"
+    assert f"first {HOLDOUT_ROWS} holdout rows" in version.description
+    # Lineage, as MLflow records it for a version registered from a LoggedModel: the source
+    # run is the run that logged the model (the publish run), nested under the training run;
+    # the model lists its versions.
     publish_run = client.get_run(published["publish_run_id"])
+    assert version.run_id == publish_run.info.run_id
     assert publish_run.data.tags["mlflow.parentRunId"] == job.training_run_id
     assert publish_run.info.status == "FINISHED"
+    assert publish_run.data.tags["mlflow.source.git.commit"]
+    assert version.source == f"models:/{publish_run.outputs.model_outputs[0].model_id}"
+    model = client.get_logged_model(registry.model_id_of(version))
+    assert model.source_run_id == publish_run.info.run_id
+    listed = json.loads(model.tags["mlflow.modelVersions"])
+    assert {"name": job.registered_model, "version": int(version.version)} in listed
+    # The model's page has the gate's metrics, with the rows they were measured on.
+    on_model = {m.key: m for m in model.metrics}
+    assert on_model["publish.holdout_auc"].value == metrics["publish.holdout_auc"]
+    assert on_model["publish.holdout_auc"].dataset_name == f"holdout[:{HOLDOUT_ROWS}]"
+    assert set(on_model) == set(metrics)
 
     # The publisher's own spans, in the job's ledger next to the S3 anchor.
     s3_job_url = job.s3_anchor_url.rsplit("/checkpoints/", 1)[0]
@@ -158,11 +195,12 @@ print(json.dumps(model.predict(frame)["probability"].tolist()))
 """
 
 
-def test_registered_model_loads_in_a_bare_process(
+def test_champion_loads_in_a_fresh_bare_process(
     trained_job: TrainedJob, published: dict, tmp_path: Path
 ) -> None:
-    """Outside the repository (project neither on the path nor installed) the registered model
-    still loads: it carries its code; weights load with weights_only (no pickled objects)."""
+    """``models:/<name>@champion`` loads in a fresh process outside the repository (project
+    neither on the path nor installed): it carries its code; weights load with weights_only
+    (no pickled objects)."""
     job = trained_job
     expected, batches = _trainer_side_probs(job, job.anchor_url)
     rows = serving.batch_to_frame(batches[0], job.config.data, as_lists=True).head(5)
@@ -261,7 +299,7 @@ def test_worse_model_is_candidate_not_champion(trained_job: TrainedJob, publishe
     tags = client.get_model_version(job.registered_model, result.version).tags
     assert tags["champion_version_at_publish"] == published["version"]
     assert float(tags["champion_auc_at_publish"]) == pytest.approx(
-        published["metrics"]["holdout_auc"], abs=1e-6
+        published["metrics"]["publish.holdout_auc"], abs=1e-6
     )
 
 
@@ -327,7 +365,7 @@ def test_prefect_flow_publishes_once(
         first = publish_flow(**params)
         again = publish_flow(**{**params, "mlflow_run_id": ""})  # a template's "missing"
     assert not first["already_published"] and "candidate" in first["aliases"]
-    assert first["metrics"]["holdout_parity_max_abs_diff"] <= 1e-5
+    assert first["metrics"]["publish.parity_max_abs_diff"] <= 1e-5
     assert again["already_published"] and again["version"] == first["version"]
     spans = [e.name for e in read_events(f"file://{dst.parents[1]}") if e.name in PUBLISH_SPANS]
     assert spans == list(PUBLISH_SPANS)
@@ -365,3 +403,118 @@ def _nan_copy(job: TrainedJob, dst: Path) -> str:
     )
     (dst / MANIFEST).write_text(manifest.to_json())
     return f"file://{dst}"
+
+
+def _requirement_names(lines: list[str]) -> dict[str, Requirement]:
+    return {
+        canonicalize_name(r.name): r
+        for r in (Requirement(x) for x in lines if x and not x.startswith(("-", "artifacts/")))
+    }
+
+
+def test_champion_environment_installs_on_a_cpu_machine(
+    trained_job: TrainedJob, published: dict, tmp_path: Path
+) -> None:
+    """TorchRec's metadata asks for ``fbgemm-gpu``, the CUDA build, which cannot load on a CPU
+    machine. The model's requirements name the CPU build and carry a metadata-only wheel that
+    satisfies TorchRec's requirement with it; every other requirement of TorchRec is pinned.
+    (docs/publishing.md shows ``mlflow models predict --env-manager virtualenv`` installing it.)
+    """
+    local = Path(
+        mlflow.artifacts.download_artifacts(
+            f"models:/{trained_job.registered_model}@champion",
+            tracking_uri=trained_job.tracking_uri,
+            dst_path=str(tmp_path),
+        )
+    )
+    lines = (local / "requirements.txt").read_text().split("\n")
+    reqs = _requirement_names(lines)
+    fbgemm = importlib.metadata.version("fbgemm-gpu-cpu").split("+")[0]
+    assert str(reqs["fbgemm-gpu-cpu"].specifier) == f"=={fbgemm}"
+    assert "fbgemm-gpu" not in reqs  # never the CUDA build by name
+    (shim_line,) = [x for x in lines if x.startswith("artifacts/")]
+    with zipfile.ZipFile(local / shim_line) as wheel:
+        names = wheel.namelist()
+        (meta_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        meta = email.parser.Parser().parsestr(wheel.read(meta_name).decode())
+    assert all(".dist-info/" in n for n in names)  # no files: cannot shadow fbgemm_gpu
+    assert canonicalize_name(meta["Name"]) == "fbgemm-gpu"
+    assert meta.get_all("Requires-Dist") == [f"fbgemm-gpu-cpu=={fbgemm}"]
+    provided = {**reqs, "fbgemm-gpu": Requirement(f"fbgemm-gpu=={meta['Version']}")}
+    for line in importlib.metadata.requires("torchrec") or []:
+        need = Requirement(line)
+        if need.marker is not None and not need.marker.evaluate({"extra": ""}):
+            continue  # an optional extra
+        pinned = provided.get(canonicalize_name(need.name))
+        assert pinned is not None, f"torchrec needs {need}: not in the model's requirements"
+        (version,) = [s.version for s in pinned.specifier]
+        assert need.specifier.contains(version, prereleases=True), (need, version)
+
+
+class _Trap:
+    """A loopback port that records every connection (and what was sent) and answers nothing
+    useful: a host a tampered checkpoint might point the worker at."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.received: list[bytes] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(2)
+                try:
+                    self.received.append(conn.recv(65536))
+                except OSError:
+                    self.received.append(b"")
+
+    def close(self) -> None:
+        self.sock.close()
+        self.thread.join(timeout=5)
+
+
+def _tampered_copy(job: TrainedJob, dst: Path, mlflow_uri: str, s3_endpoint: str) -> None:
+    """A committed copy of the anchor whose config.yaml points MLflow and S3 at other hosts
+    (with a manifest that matches it: whoever writes a checkpoint can write both)."""
+    from trainer.checkpoint.manifest import MANIFEST, FileEntry, sha256_file
+
+    shutil.copytree(storage.local_path(job.anchor_url), dst)
+    config = yaml.safe_load((dst / "config.yaml").read_text())
+    config["tracking"]["mlflow_uri"] = mlflow_uri
+    config["storage"]["s3_endpoint_url"] = s3_endpoint
+    (dst / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    manifest = read_manifest(f"file://{dst}")
+    entry = FileEntry((dst / "config.yaml").stat().st_size, sha256_file(str(dst / "config.yaml")))
+    files = {**manifest.files, "config.yaml": entry}
+    (dst / MANIFEST).write_text(dataclasses.replace(manifest, files=files).to_json())
+
+
+def test_publishing_uses_the_workers_mlflow_and_s3_never_the_checkpoints(
+    trained_job: TrainedJob, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint on S3 whose config.yaml names another MLflow server and another S3
+    endpoint: publishing registers it on the worker's MLflow, reads it through the worker's
+    S3, and neither host ever sees a connection (nor the worker's MLflow token)."""
+    job = trained_job
+    token = "worker-token-must-stay-home-5d1e"
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", token)
+    mlflow_trap, s3_trap = _Trap(), _Trap()
+    try:
+        local = tmp_path / "step-000000020"
+        _tampered_copy(job, local, mlflow_trap.url, s3_trap.url)
+        url = "s3://ett/jobs/tampered/checkpoints/step-000000020"
+        _copy_tree(f"file://{local}", url)
+        result = publish(url, settings=SETTINGS)  # no tracking_uri: the worker's environment
+    finally:
+        mlflow_trap.close()
+        s3_trap.close()
+    assert mlflow_trap.received == [] and s3_trap.received == []
+    version = MlflowClient(job.tracking_uri).get_model_version(job.registered_model, result.version)
+    assert version.tags["anchor_uri"] == url and version.tags["publish_status"] == "complete"
