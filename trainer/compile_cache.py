@@ -163,6 +163,8 @@ class CompileCache:
         self.local_dir = local_dir
         self._thread: threading.Thread | None = None
         self.saved: CacheResult | None = None
+        # The compiling thread's settled ISA check (inductor's settings are per thread).
+        self.vec_isa_ok: bool | None = None
 
     @property
     def job_id(self) -> str:
@@ -276,7 +278,7 @@ class CompileCache:
             "created": time.time(),
             "files": files,
             "inductor_files": count,
-            "vec_isa_ok": torch._inductor.config.cpp.vec_isa_ok,
+            "vec_isa_ok": self.vec_isa_ok,
         }
         storage.write_text(storage.join(self.url, MANIFEST), json.dumps(manifest, indent=2))
         self._prune({f["name"] for f in files.values()})

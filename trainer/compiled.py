@@ -79,7 +79,8 @@ def settle_vec_isa(known: bool | None) -> bool:
     The check compiles a test file and loads it in a fresh interpreter per candidate ISA;
     repeated in every process it is a large part of a warm start on a small CPU host.
     Setting the flag in every process, cold or warm, keeps inductor's cache keys (which
-    include it) equal, so the warm process still hits the cold one's graphs."""
+    include it) equal, so the warm process still hits the cold one's graphs. Inductor's
+    settings are per thread: call it in the thread that compiles."""
     from torch._inductor import config as inductor_config
 
     if known is None:

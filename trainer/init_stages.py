@@ -106,6 +106,7 @@ class CompileState:
     warmup: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     watcher: compiled.RecompileWatcher | None = None
+    vec_isa_ok: bool | None = None  # inductor's C++ ISA check, settled before compiling
 
 
 @dataclass(frozen=True)
@@ -284,16 +285,19 @@ class Initializer:
             attrs.update(state.load.attrs("cache"), cache_key=state.cache.key)
         else:
             attrs["cache_status"] = "off"
-        if self.device.type == "cpu":
-            known = state.load.vec_isa_ok if state.load is not None else None
-            attrs["vec_isa_ok"] = compiled.settle_vec_isa(known)
-            attrs["vec_isa_reused"] = known is not None
+
 
     def compile(self, attrs: dict[str, Any]) -> None:
         state = self.compile_state
         with self.ledger.span(Span.COMPILE, what="warmup") as span:
             try:
                 compiled.configure(state.job_id)  # for this thread, which compiles
+                if self.device.type == "cpu":  # inductor's settings are per thread too
+                    known = state.load.vec_isa_ok if state.load is not None else None
+                    state.vec_isa_ok = compiled.settle_vec_isa(known)
+                    span["vec_isa_reused"] = known is not None
+                    if state.cache is not None:
+                        state.cache.vec_isa_ok = state.vec_isa_ok
                 state.warmup = compiled.warm_up(self.config, self.device, self._warm_copy)
                 span.update(state.warmup)
             except Exception as exc:  # the job trains eagerly rather than not at all
@@ -360,6 +364,8 @@ class Initializer:
             return
         if state.watcher is not None:
             state.watcher.phase = "train"
+        if state.vec_isa_ok is not None:  # the training thread may recompile: same settings
+            compiled.settle_vec_isa(state.vec_isa_ok)
         compiled_new = state.warmup.get("aot_cache_miss", 0) + state.warmup.get("fx_cache_miss", 0)
         hit = state.load is not None and state.load.status == "hit"
         if state.cache is not None and self.env.is_main and (not hit or compiled_new):
