@@ -23,12 +23,14 @@ import torch.distributed as dist
 
 from infra import storage
 from infra.exit_codes import ExitCode
+from infra.lease import JobLocked, trainer_lease
 from infra.ledger import Ledger, ledger_url
 from infra.settings import CheckpointMode, ConfigError, JobConfig, load_config
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.manifest import CheckpointError
 from trainer.checkpoint.state import app_state
 from trainer.data.batch import Batch
+from trainer.data.loader import DataError
 from trainer.distributed import DistEnv
 from trainer.evaluation import evaluate
 from trainer.init_stages import initialize
@@ -108,6 +110,15 @@ def run(config: JobConfig) -> int:
     """Train one attempt of the job; returns the process exit code."""
     storage.configure(config.storage)
     rank = int(os.environ.get("RANK", "0"))
+    try:
+        with trainer_lease(config.job_url, rank):  # one job id, one job (infra/lease.py)
+            return _run_attempt(config, rank)
+    except JobLocked as exc:
+        log.error("%s", exc)
+        return ExitCode.JOB_LOCKED
+
+
+def _run_attempt(config: JobConfig, rank: int) -> int:
     attempt = next_attempt(config.job_url, rank)
     ledger = Ledger(config.job_url, attempt=attempt, rank=rank)
     ledger.mark("attempt_start", pid=os.getpid())
@@ -118,6 +129,12 @@ def run(config: JobConfig) -> int:
     except CheckpointError as exc:  # corrupt or incompatible: relaunching cannot help
         log.error("cannot resume: %s", exc)
         return ExitCode.CHECKPOINT_INCOMPATIBLE
+    except DataError as exc:  # unusable data: relaunching cannot help
+        log.error("bad data: %s", exc)
+        return ExitCode.BAD_DATA
+    except storage.StorageError as exc:  # retries spent: relaunch later
+        log.error("storage unavailable: %s", exc)
+        return ExitCode.STORAGE_UNAVAILABLE
     finally:
         ledger.close()
         if dist.is_initialized():
@@ -153,8 +170,7 @@ def _train(config: JobConfig, ledger: Ledger, preemption: Preemption) -> int:
     try:
         while step < config.train.steps:
             if preemption.agreed(env):
-                _save_on_preemption(config, checkpointer, step, snapshot)
-                return ExitCode.PREEMPTED
+                return _save_on_preemption(config, checkpointer, step, snapshot)
             checkpointer.wait_until_staged()
             step += 1
             faults.at_step(step)
@@ -220,17 +236,11 @@ def _save_on_preemption(
     checkpointer: Checkpointer,
     step: int,
     snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
-) -> None:
-    """Preempted: finish the in-flight upload if the budget allows, then save synchronously."""
+) -> int:
+    """Preempted: the whole save within the budget (trainer/checkpoint/checkpointer.py)."""
     budget = config.checkpoint.preemption_budget_s
-    log.warning("preempted: saving at step %d within %.0f s", step, budget)
-    if config.checkpoint.mode == CheckpointMode.OFF:
-        return
-    try:
-        checkpointer.wait_for_inflight(timeout_s=budget / 2)
-    except TimeoutError:
-        checkpointer.abandon_inflight()
-    checkpointer.save(step, snapshot, blocking=True)
+    saved = checkpointer.emergency_save(step, snapshot, budget)
+    return ExitCode.PREEMPTED if saved else ExitCode.EMERGENCY_SAVE_FAILED
 
 
 def _fmt(metrics: dict[str, float]) -> str:

@@ -4,11 +4,16 @@
         .metadata, __0_0.distcp, ...   DCP files (tensors only: loaded with weights_only)
         trainer_state.rank000.json     step, data-loader position (one file per rank)
         config.yaml                    the job config, so a publisher can rebuild the model
+        _done.rank000.<nonce>.json     each rank's files and checksums, for this save only
         manifest.json                  written LAST: the checkpoint exists once this exists
+    <job_url>/checkpoints/quarantine/step-000000120-<time>/
+        a checkpoint found corrupt, moved out of the committed ones (kept for inspection)
 
 A reader only ever looks at folders that have a manifest, so a crash at any moment before
 the manifest (staging, mid-upload) leaves the previous committed checkpoint as the latest.
-The manifest lists every file with its size and SHA-256, checked before loading.
+A committed folder is never written again. The manifest lists every file with its size and
+SHA-256, checked before loading, and the save's nonce: done-markers of an earlier try at
+the same step can never complete a later one.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -28,11 +34,18 @@ from infra import storage
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+QUARANTINE = "quarantine"
 FORMAT_VERSION = 1
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names it and says why."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """Verified corruption: a file listed in the manifest is missing, has another size or
+    checksum, or the manifest itself is unreadable. Only this lets restore fall back to an
+    older checkpoint: a storage error proves nothing about the checkpoint."""
 
 
 def checkpoints_url(job_url: str) -> str:
@@ -41,6 +54,18 @@ def checkpoints_url(job_url: str) -> str:
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:09d}"
+
+
+def step_url(job_url: str, step: int) -> str:
+    return storage.join(checkpoints_url(job_url), step_dir_name(step))
+
+
+def done_marker(rank: int, nonce: str) -> str:
+    return f"_done.rank{rank:03d}.{nonce}.json"
+
+
+def failed_marker(rank: int, nonce: str) -> str:
+    return f"_failed.rank{rank:03d}.{nonce}.json"
 
 
 def library_versions() -> dict[str, str]:
@@ -68,6 +93,7 @@ class Manifest:
     files: dict[str, FileEntry]
     anchor: bool = False
     job_id: str = ""
+    nonce: str = ""  # the save that wrote it (matches its done-markers)
     created: float = field(default_factory=time.time)
     versions: dict[str, str] = field(default_factory=library_versions)
     format_version: int = FORMAT_VERSION
@@ -81,8 +107,8 @@ class Manifest:
             data: dict[str, Any] = json.loads(text)
             files = {name: FileEntry(**entry) for name, entry in data.pop("files").items()}
             return cls(files=files, **data)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"checkpoint manifest {source} is unreadable: {exc}") from exc
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointCorrupt(f"checkpoint manifest {source} is unreadable: {exc}") from exc
 
 
 def sha256_file(path: str, chunk: int = 8 << 20) -> str:
@@ -148,12 +174,47 @@ def verify_files(ckpt_url: str, manifest: Manifest, local_dir: str | None = None
             path = storage.join(ckpt_url, name)
             present, size_of, digest_of = storage.exists(path), storage.size, sha256_url
         if not present:
-            raise CheckpointError(f"checkpoint {ckpt_url} is missing file {name}")
+            raise CheckpointCorrupt(f"checkpoint {ckpt_url} is missing file {name}")
         size = size_of(path)
         if size != entry.size:
-            raise CheckpointError(
+            raise CheckpointCorrupt(
                 f"checkpoint {ckpt_url} is corrupt: {name} has {size} bytes, manifest says "
                 f"{entry.size}"
             )
         if digest_of(path) != entry.sha256:
-            raise CheckpointError(f"checkpoint {ckpt_url} is corrupt: checksum mismatch in {name}")
+            raise CheckpointCorrupt(
+                f"checkpoint {ckpt_url} is corrupt: checksum mismatch in {name}"
+            )
+
+
+def _copy(src: str, dst: str) -> None:
+    """Copy one object within a store (server-side on S3)."""
+    fs, src_path = storage.split(src)
+    _, dst_path = storage.split(dst)
+    storage.with_retries(f"copy {src}", lambda: fs.copy(src_path, dst_path))
+
+
+def quarantine(ckpt_url: str, reason: str) -> str:
+    """Move a corrupt checkpoint out of the committed ones, to ``checkpoints/quarantine/``:
+    it is never listed, resumed from or counted by retention again, and stays for
+    inspection. The manifest goes first (copied, then removed), so an interruption leaves at
+    worst an uncommitted folder, which the next attempt clears. Returns the new URL."""
+    name = ckpt_url.rstrip("/").rsplit("/", 1)[-1]
+    root = ckpt_url.rstrip("/").rsplit("/", 1)[0]
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = storage.join(root, QUARANTINE, f"{name}-{stamp}-{uuid.uuid4().hex[:6]}")
+    local, dest = storage.local_path(ckpt_url), storage.local_path(target)
+    if local is not None and dest is not None:
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        os.rename(local, dest)  # atomic on one filesystem
+    else:
+        names = [n for n in storage.listdir(ckpt_url) if n != MANIFEST]
+        if storage.exists(storage.join(ckpt_url, MANIFEST)):
+            _copy(storage.join(ckpt_url, MANIFEST), storage.join(target, MANIFEST))
+            storage.remove(storage.join(ckpt_url, MANIFEST))  # no longer committed
+        for entry in names:
+            _copy(storage.join(ckpt_url, entry), storage.join(target, entry))
+        storage.remove(ckpt_url, recursive=True)
+    storage.write_text(storage.join(target, "_quarantined.json"), json.dumps({"reason": reason}))
+    log.warning("quarantined checkpoint %s as %s: %s", ckpt_url, target, reason)
+    return target
