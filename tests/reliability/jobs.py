@@ -77,7 +77,8 @@ class Trainer:
         code = self.proc.wait(timeout=timeout)
         if code == 0:
             return 0
-        found = _WORKER_EXIT.findall(self.output())
+        out = self.output()
+        found = _WORKER_EXIT.findall(out.rsplit("Root Cause", 1)[-1])  # the first failure
         return int(found[0]) if found else code
 
     def wait_until(self, what: str, check: Callable[[], bool], timeout: float = 240) -> None:
