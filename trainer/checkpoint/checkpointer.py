@@ -167,10 +167,8 @@ class Checkpointer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pg)
             state = int(flag.item())
         if state == unknown:
-            raise CheckpointError(
-                f"cannot tell whether step {step} is committed already: {error or 'another rank'}"
-                " could not check"
-            )
+            why = error or "another rank could not check"
+            raise CheckpointError(f"cannot tell whether step {step} is committed already: {why}")
         if state:
             raise _AlreadyCommitted(step)
 
@@ -243,6 +241,7 @@ class Checkpointer:
         with self.ledger.span("checkpoint_blocking", step=step, mode=mode) as attrs:
             waited = self.wait_for_inflight()
             attrs["waited_for_previous_s"] = round(waited, 6)
+            self._outcome = {}  # nothing older is waited for again
             state, extra = snapshot()
             error: list[BaseException] = []
             if mode == CheckpointMode.ASYNC_STAGED:
@@ -412,7 +411,7 @@ class Checkpointer:
             try:
                 if storage.exists(storage.join(url, MANIFEST)):
                     return read_manifest(url).nonce == self._nonce
-                if storage.glob(storage.join(url, failed_marker(0, self._nonce))):
+                if storage.exists(storage.join(url, failed_marker(0, self._nonce))):
                     return False
             except (OSError, CheckpointError) as exc:
                 log.warning("emergency save at step %d: cannot read its commit: %s", step, exc)
