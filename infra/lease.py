@@ -121,8 +121,11 @@ def current_lease(job_url: str) -> LeaseRecord | None:
             data = json.loads(storage.read_text(_generation_url(job_url, found[-1])))
         except FileNotFoundError:
             continue  # removed while listing: list again
+        except json.JSONDecodeError:
+            time.sleep(0.05)  # created without hard links and still being written
+            continue
         return LeaseRecord(**data)
-    return None
+    raise storage.StorageError(f"the lease of job {job_url} cannot be read")
 
 
 def _create_exclusive(url: str, record: LeaseRecord) -> bool:
@@ -141,6 +144,14 @@ def _create_exclusive(url: str, record: LeaseRecord) -> bool:
             return True
         except FileExistsError:
             return False
+        except OSError:  # no hard links here: an exclusive create, then the content
+            try:
+                fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            return True
         finally:
             os.unlink(tmp)
     fs, path = storage.split(url)

@@ -45,6 +45,7 @@ from pydantic_settings import (
     EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     TomlConfigSettingsSource,
     YamlConfigSettingsSource,
 )
@@ -282,7 +283,7 @@ def _typed_env(model: type[BaseModel], values: dict[str, Any]) -> dict[str, Any]
 
 
 class JobConfig(BaseSettings):
-    """Everything one training job needs; see configs/demo.yaml for a documented example."""
+    """Everything one training job needs; configs/example.yaml documents every field."""
 
     model_config = SettingsConfigDict(
         env_prefix="ETT_",
@@ -396,6 +397,11 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
             return JobConfig(**overrides)
     except ValidationError as exc:
         raise ConfigError(_format_errors(exc, source)) from None
+    except SettingsError as exc:  # an ETT_* variable that is not valid JSON where JSON is due
+        raise ConfigError(
+            f"invalid job config (environment): {exc}; lists and sections given in one "
+            "variable are JSON, e.g. ETT_DATA__CAT_VOCAB_SIZES='[50, 20]'"
+        ) from None
 
 
 def dump_config(config: JobConfig, path: str | os.PathLike[str]) -> None:

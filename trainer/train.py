@@ -116,6 +116,9 @@ def run(config: JobConfig) -> int:
     except JobLocked as exc:
         log.error("%s", exc)
         return ExitCode.JOB_LOCKED
+    except storage.StorageError as exc:  # retries spent: relaunch later
+        log.error("storage unavailable: %s", exc)
+        return ExitCode.STORAGE_UNAVAILABLE
 
 
 def _run_attempt(config: JobConfig, rank: int) -> int:
@@ -132,9 +135,6 @@ def _run_attempt(config: JobConfig, rank: int) -> int:
     except DataError as exc:  # unusable data: relaunching cannot help
         log.error("bad data: %s", exc)
         return ExitCode.BAD_DATA
-    except storage.StorageError as exc:  # retries spent: relaunch later
-        log.error("storage unavailable: %s", exc)
-        return ExitCode.STORAGE_UNAVAILABLE
     finally:
         ledger.close()
         if dist.is_initialized():

@@ -215,3 +215,11 @@ def test_mlflow_credentials_are_redacted_in_the_dumped_config(tmp_path, monkeypa
     path = tmp_path / "out.yaml"
     dump_config(config, path)
     assert SECRET not in path.read_text()
+
+
+def test_an_environment_list_that_is_not_json_is_a_config_error(monkeypatch) -> None:
+    monkeypatch.setenv("ETT_DATA__CAT_VOCAB_SIZES", "50,20")
+    with pytest.raises(ConfigError, match=r"environment.*ETT_DATA__CAT_VOCAB_SIZES='\[50, 20\]'"):
+        load_config()
+    monkeypatch.setenv("ETT_DATA__CAT_VOCAB_SIZES", "[50, 20]")
+    assert load_config().data.cat_vocab_sizes == (50, 20)

@@ -62,7 +62,7 @@ def test_second_job_with_the_same_job_id_refuses_to_start(tmp_path: Path, data_u
 
 @pytest.mark.slow
 def test_trainers_with_the_orchestrators_token_share_its_lease(
-    tmp_path: Path, data_url: str
+    tmp_path: Path, data_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The orchestrator holds the lease for the whole job and passes its token: its trainers
     run (any number at once only check it); a trainer without the token is refused."""
@@ -76,22 +76,19 @@ def test_trainers_with_the_orchestrators_token_share_its_lease(
         assert code == ExitCode.JOB_LOCKED, out[-3000:]
         assert f"pid {os.getpid()}" in out
         # An attempt and the standby of the next one, with the same token, at the same time.
-        os.environ[ENV_VAR] = lease.token
-        try:
-            entered = threading.Barrier(3, timeout=30)
+        monkeypatch.setenv(ENV_VAR, lease.token)
+        entered = threading.Barrier(3, timeout=30)
 
-            def group() -> None:
-                with trainer_lease(config.job_url, rank=0):
-                    entered.wait()
+        def group() -> None:
+            with trainer_lease(config.job_url, rank=0):
+                entered.wait()
 
-            threads = [threading.Thread(target=group) for _ in range(2)]
-            for t in threads:
-                t.start()
-            entered.wait()  # both groups are inside at once
-            for t in threads:
-                t.join()
-        finally:
-            del os.environ[ENV_VAR]
+        threads = [threading.Thread(target=group) for _ in range(2)]
+        for t in threads:
+            t.start()
+        entered.wait()  # both groups are inside at once
+        for t in threads:
+            t.join()
 
 
 # -- the lease --------------------------------------------------------------------------------
