@@ -1,5 +1,9 @@
 """Trainer attempts for the fault tests: under torchrun, as the orchestrator launches them,
-in their own process group, with their output in a file a test can watch while they run."""
+with their output in a file a test can watch while they run.
+
+torchrun starts each rank in a session of its own, so killing torchrun's process group
+leaves the ranks running: ``Trainer.kill`` finds every process of the attempt by its config
+file on the command line, and ``assert_gone`` checks that none is left."""
 
 from __future__ import annotations
 
@@ -53,6 +57,7 @@ class Trainer:
 
         self.name = f"{config.job_id}-{uuid.uuid4().hex[:6]}"
         path = tmp_path / f"{self.name}.yaml"
+        self.config_path = str(path)
         dump_config(config, path)
         self.log = tmp_path / f"{self.name}.log"
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
@@ -90,17 +95,28 @@ class Trainer:
                 raise AssertionError(f"no {what} within {timeout} s:\n{self.tail()}")
             time.sleep(0.05)
 
+    def processes(self) -> list[int]:
+        """Live processes of this attempt: torchrun and its ranks."""
+        found = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            pid = int(cmdline.parent.name)
+            with contextlib.suppress(OSError):
+                if self.config_path in cmdline.read_text() and processes.pid_alive(pid):
+                    found.append(pid)
+        return found
+
     def kill(self) -> None:
-        """SIGKILL the whole attempt (torchrun and its workers)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        """SIGKILL the whole attempt: torchrun and every rank."""
+        for pid in [self.proc.pid, *self.processes()]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         self.proc.wait()
 
     def assert_gone(self) -> None:
         """No process of the attempt is left (callers end it first)."""
         deadline = time.monotonic() + 30
-        while processes.group_alive(self.proc.pid):
-            assert time.monotonic() < deadline, f"processes of {self.name} outlived it"
+        while left := self.processes():
+            assert time.monotonic() < deadline, f"processes of {self.name} outlived it: {left}"
             time.sleep(0.1)
 
 

@@ -164,8 +164,9 @@ def test_sigkill_during_emergency_save_keeps_previous_checkpoint(
     verify_files(kept.url, kept.manifest)
     code, out = run_to_end(at(config, s3_server, steps=5), tmp_path)  # resume, no training
     assert code == ExitCode.SUCCESS, out[-3000:]
-    resumes = [(e.attempt, e.step) for e in read_events(direct.job_url) if e.name == "resume"]
-    assert resumes == [(1, 5)], resumes
+    # (By step: a SIGKILLed attempt's ledger on S3 may be lost, and its number reused.)
+    resumes = [e.step for e in read_events(direct.job_url) if e.name == "resume"]
+    assert resumes == [5], resumes
 
 
 @pytest.mark.parametrize(
