@@ -40,6 +40,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     """A job without Prefect: the same attempts, standby, retries and hang detection as the
     ``train`` flow; exits with the last attempt's code (0 once the job succeeded)."""
     from infra import storage
+    from infra.lease import JobLocked
     from infra.ledger import next_attempt
     from tasks.attempts import LaunchSpec, RetryPolicy
     from tasks.job import run_job, timeouts_for
@@ -65,6 +66,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             print("stopped: the running attempt was preempted", file=sys.stderr)
             return 128 + signal.SIGTERM
+        except JobLocked as exc:
+            print(exc, file=sys.stderr)
+            return ExitCode.JOB_LOCKED
     print(outcome.message)
     return 0 if outcome.succeeded else outcome.attempts[-1].exit_code
 

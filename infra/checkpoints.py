@@ -4,12 +4,17 @@
         .metadata, __0_0.distcp, ...   DCP files (tensors only: loaded with weights_only)
         trainer_state.rank000.json     step, data-loader position (one file per rank)
         config.yaml                    the job config, so a publisher can rebuild the model
+        _done.rank000.<nonce>.json     each rank's files and checksums, for this save only
         manifest.json                  written LAST: the checkpoint exists once this exists
+    <job_url>/checkpoints/quarantine/step-000000120-<time>/
+        a checkpoint found corrupt, moved out of the committed ones (kept for inspection)
 
 A reader only ever looks at folders that have a manifest, so a crash at any moment before
 the manifest (staging, mid-upload) leaves the previous committed checkpoint as the latest.
-The manifest lists every file with its size and SHA-256, checked before loading
-(trainer/checkpoint/manifest.py), and says whether the checkpoint is the job's anchor.
+A committed folder is never written again. The manifest lists every file with its size and
+SHA-256, checked before loading (trainer/checkpoint/manifest.py), the save's nonce (done
+markers of an earlier try at the same step can never complete a later one), and whether the
+checkpoint is the job's anchor. The whole protocol: docs/checkpoints.md.
 
 Here, not in the trainer, because the orchestrator finds the anchor from these manifests
 (tasks/events.py) and must not import the trainer or torch.
@@ -29,11 +34,18 @@ from infra import storage
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+QUARANTINE = "quarantine"
 FORMAT_VERSION = 1
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names it and says why."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """Verified corruption: a file listed in the manifest is missing, has another size or
+    checksum, or the manifest itself is unreadable. Only this lets restore fall back to an
+    older checkpoint: a storage error proves nothing about the checkpoint."""
 
 
 def checkpoints_url(job_url: str) -> str:
@@ -42,6 +54,23 @@ def checkpoints_url(job_url: str) -> str:
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:09d}"
+
+
+def step_url(job_url: str, step: int) -> str:
+    return storage.join(checkpoints_url(job_url), step_dir_name(step))
+
+
+def done_marker(rank: int, nonce: str) -> str:
+    return f"_done.rank{rank:03d}.{nonce}.json"
+
+
+def failed_marker(rank: int, nonce: str) -> str:
+    return f"_failed.rank{rank:03d}.{nonce}.json"
+
+
+def rank_state_name(rank: int) -> str:
+    """A rank's JSON state (step, data-loader position) in a checkpoint folder."""
+    return f"trainer_state.rank{rank:03d}.json"
 
 
 def library_versions() -> dict[str, str]:
@@ -70,6 +99,7 @@ class Manifest:
     files: dict[str, FileEntry]
     anchor: bool = False
     job_id: str = ""
+    nonce: str = ""  # the save that wrote it (matches its done-markers)
     created: float = field(default_factory=time.time)
     versions: dict[str, str] = field(default_factory=library_versions)
     format_version: int = FORMAT_VERSION
@@ -83,8 +113,8 @@ class Manifest:
             data: dict[str, Any] = json.loads(text)
             files = {name: FileEntry(**entry) for name, entry in data.pop("files").items()}
             return cls(files=files, **data)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"checkpoint manifest {source} is unreadable: {exc}") from exc
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointCorrupt(f"checkpoint manifest {source} is unreadable: {exc}") from exc
 
 
 @dataclass(frozen=True)

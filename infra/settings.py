@@ -3,7 +3,14 @@
 Every process of a job (the Prefect flow, each torchrun rank, the publisher) reads the same
 file, so the config is the contract between them. Values are checked on load: a bad value is
 rejected with a message naming the field and what it accepts, before any work is started.
-Environment variables override the file: ``ETT_TRAIN__STEPS=50`` sets ``train.steps``.
+
+Strict: a file or an override says what it means. ``steps: "100"`` is not 100 and
+``shuffle: 1`` is not true (a quoted number is a typo waiting to happen, and silent coercion
+hides it). Environment variables are strings by nature, so each is read as its field's type
+first: ``ETT_TRAIN__STEPS=50`` sets ``train.steps`` to 50 and wins over the file.
+
+Errors never echo a credential: values of secret fields and of unknown keys are left out of
+messages, and user:password in URLs is masked.
 """
 
 from __future__ import annotations
@@ -11,14 +18,37 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    Strict,
+    StrictInt,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    TomlConfigSettingsSource,
+    YamlConfigSettingsSource,
+)
 
 
 class ConfigError(ValueError):
@@ -26,7 +56,12 @@ class ConfigError(ValueError):
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+# Strict types still take a YAML/JSON list for a tuple and a string for an enum (the only
+# way a file can spell them); the items themselves stay strict.
+Ints = Annotated[tuple[StrictInt, ...], Strict(False)]
 
 
 class StorageConfig(_Frozen):
@@ -60,12 +95,16 @@ class DataConfig(_Frozen):
     url: str = "file://./runs/data/demo"
     format: Literal["parquet", "criteo"] = "parquet"
     num_dense: int = Field(default=13, ge=1, le=4096)
-    cat_vocab_sizes: tuple[int, ...] = (2000, 1000, 500, 200, 100, 50, 20, 10)
+    cat_vocab_sizes: Ints = (2000, 1000, 500, 200, 100, 50, 20, 10)
     item_vocab_size: int = Field(default=5000, ge=2)
     max_history_len: int = Field(default=64, ge=1, le=65_536)
     batch_size: int = Field(default=1024, ge=1, le=1_048_576)
     eval_batch_size: int = Field(default=4096, ge=1, le=1_048_576)
     shuffle: bool = True
+    # Bad rows (label not 0/1, NaN features, ids out of range) are skipped and counted; a
+    # file with a larger share of them fails the attempt (exit BAD_DATA): that is a broken
+    # export, not noise, and training on the rest would be silently biased.
+    max_bad_row_fraction: float = Field(default=0.01, ge=0, le=1)
     generator: GeneratorConfig = GeneratorConfig()
 
     @model_validator(mode="after")
@@ -82,8 +121,8 @@ class ModelConfig(_Frozen):
     """The DLRM-style ranking model and its swappable user-history tower."""
 
     embedding_dim: int = Field(default=16, ge=1, le=4096)
-    dense_arch: tuple[int, ...] = (64, 16)
-    over_arch: tuple[int, ...] = (64, 32)
+    dense_arch: Ints = (64, 16)
+    over_arch: Ints = (64, 32)
     history_tower: Literal["pooling", "attention"] = "attention"
     attention_heads: int = Field(default=2, ge=1, le=64)
     attention_impl: Literal["auto", "triton", "cpu", "reference"] = "auto"
@@ -144,26 +183,43 @@ class CheckpointMode(StrEnum):
 
 
 class CheckpointConfig(_Frozen):
-    """When and how checkpoints are taken (see DESIGN.md, checkpoint protocol)."""
+    """When and how checkpoints are taken (trainer/checkpoint/)."""
 
-    mode: CheckpointMode = CheckpointMode.ASYNC_STAGED
+    mode: CheckpointMode = Field(default=CheckpointMode.ASYNC_STAGED, strict=False)
     # "auto": chosen by the interval advisor from the measured cost of a checkpoint and the
     # job's failures (trainer/checkpoint/interval.py); an int: every N steps.
     every_steps: int | Literal["auto"] | None = Field(default="auto")
-    every_seconds: float | None = Field(default=None, gt=0)
-    keep_latest_k: int = Field(default=3, ge=1)
+    every_seconds: float | None = Field(default=None, gt=0, le=7 * 86_400)
+    keep_latest_k: int = Field(default=3, ge=1, le=10_000)
     resume: str = "latest"  # "latest", "none", or one checkpoint's URL
     warm_start: str | None = None  # a checkpoint URL whose model seeds a job with none of its own
     fallback_on_corrupt: bool = True
-    preemption_budget_s: float = Field(default=60.0, gt=0)
+    # The whole save on SIGTERM (finishing the in-flight one, the new save, the commit);
+    # the orchestrator waits at least this long before SIGKILL.
+    preemption_budget_s: float = Field(default=60.0, ge=1, le=3600)
     # every_steps: auto spends at most this share of training time on checkpoints until
     # failures are seen (then Young's interval from the observed MTBF takes over).
     cost_budget: float = Field(default=0.01, gt=0, le=0.5)
 
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare ``off`` as false: take it as the word the user wrote.
+        return CheckpointMode.OFF if value is False else value
+
     @model_validator(mode="after")
-    def _positive_steps(self) -> CheckpointConfig:
+    def _has_an_interval(self) -> CheckpointConfig:
         if isinstance(self.every_steps, int) and self.every_steps < 1:
             raise ValueError(f"every_steps must be >= 1 or 'auto', got {self.every_steps}")
+        if (
+            self.mode != CheckpointMode.OFF
+            and self.every_steps is None
+            and self.every_seconds is None
+        ):
+            raise ValueError(
+                "every_steps and every_seconds are both null: no checkpoint would ever be "
+                "taken; set one of them, or mode: off"
+            )
         return self
 
 
@@ -203,27 +259,71 @@ class TrackingConfig(_Frozen):
     registered_model: str = "ranker"
 
 
-def _load_file(path: Path) -> dict[str, Any]:
+_CONFIG_FILE: ContextVar[Path | None] = ContextVar("ett_config_file", default=None)
+
+
+def _file_source(settings_cls: type[BaseSettings], path: Path) -> PydanticBaseSettingsSource:
+    """pydantic-settings' own YAML/TOML source for ``path``, with errors that name the file
+    (and never quote its lines: a bad line may hold a credential)."""
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    text = path.read_text()
+    toml = path.suffix == ".toml"
     try:
-        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
-    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
-        kind = path.suffix[1:].upper()
+        if toml:
+            return TomlConfigSettingsSource(settings_cls, toml_file=path)
+        return YamlConfigSettingsSource(settings_cls, yaml_file=path)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"config file {path} is not valid YAML: {exc.problem}{where}") from None
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+        kind = "TOML" if toml else "YAML"
         raise ConfigError(f"config file {path} is not valid {kind}: {exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping at the top, got {type(data)}")
-    return data
+    except (AttributeError, TypeError, ValueError):
+        raise ConfigError(f"config file {path} must hold a mapping at the top") from None
+
+
+class _EnvSource(EnvSettingsSource):
+    """ETT_* variables. They are strings by nature, so each value is first read as its
+    field's type (``"50"`` -> 50, ``"true"`` -> True), then validated as strictly as a file."""
+
+    def __call__(self) -> dict[str, Any]:
+        return _typed_env(self.settings_cls, super().__call__())
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def _typed_env(model: type[BaseModel], values: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        field = model.model_fields.get(key)
+        sub = _model_of(field.annotation) if field is not None else None
+        if sub is not None and isinstance(value, dict):
+            out[key] = _typed_env(sub, value)
+        elif field is not None and isinstance(value, str):
+            try:
+                out[key] = TypeAdapter(field.annotation).validate_python(value)
+            except ValidationError:
+                out[key] = value  # the strict validation names the field
+        else:
+            out[key] = value
+    return out
 
 
 class JobConfig(BaseSettings):
-    """Everything one training job needs; see configs/demo.yaml for a documented example."""
+    """Everything one training job needs; configs/example.yaml documents every field."""
 
     model_config = SettingsConfigDict(
-        env_prefix="ETT_", env_nested_delimiter="__", frozen=True, extra="forbid"
+        env_prefix="ETT_",
+        env_nested_delimiter="__",
+        env_parse_none_str="null",
+        frozen=True,
+        extra="forbid",
+        strict=True,
     )
 
     job_id: str = Field(default="demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -233,7 +333,7 @@ class JobConfig(BaseSettings):
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     recovery: RecoveryConfig = RecoveryConfig()
-    faults: tuple[FaultConfig, ...] = ()
+    faults: tuple[FaultConfig, ...] = Field(default=(), strict=False)
     tracking: TrackingConfig = TrackingConfig()
 
     @classmethod
@@ -245,9 +345,11 @@ class JobConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # The environment wins over the file (passed as init kwargs): operators override a
-        # checked-in config per run without editing it.
-        return env_settings, init_settings
+        # The environment wins over overrides (init kwargs), which win over the file:
+        # operators override a checked-in config per run without editing it.
+        path = _CONFIG_FILE.get()
+        file = () if path is None else (_file_source(settings_cls, path),)
+        return _EnvSource(settings_cls), init_settings, *file
 
     @property
     def job_url(self) -> str:
@@ -266,18 +368,54 @@ class JobConfig(BaseSettings):
         return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
     def public_dict(self) -> dict[str, Any]:
-        """The config as plain data without credentials: safe to log, and to hand to
-        subprocesses (which take credentials from their environment instead)."""
+        """The config as plain data without credentials: safe to log, to store with a
+        checkpoint, and to hand to subprocesses (which take credentials from their
+        environment instead). S3 keys are left out; user:password in the MLflow URI is
+        masked (the trainer never talks to MLflow)."""
         secrets = {"storage": {"s3_access_key_id", "s3_secret_access_key"}}
-        return self.model_dump(mode="json", exclude=secrets)
+        data = self.model_dump(mode="json", exclude=secrets)
+        data["tracking"]["mlflow_uri"] = redact_url(data["tracking"]["mlflow_uri"])
+        return data
+
+
+_URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
+_SECRET_NAME = re.compile(r"secret|password|passwd|token|credential|access_key|api_key", re.I)
+
+
+def redact_url(text: str) -> str:
+    """``http://user:token@host/x`` -> ``http://***@host/x`` (anywhere in ``text``)."""
+    return _URL_USERINFO.sub(r"\g<scheme>***@", text)
+
+
+def _shown_input(err: Any) -> str:
+    """What a config error may show of the bad value: scalars only, never the value of a
+    secret-looking field or of an unknown key (a misspelt ``s3_secret_key`` holds one)."""
+    value = err.get("input")
+    names = " ".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden" or _SECRET_NAME.search(names):
+        return ""
+    if isinstance(value, str):
+        return f" (got {redact_url(value)[:80]!r})"
+    if value is None or isinstance(value, bool | int | float):
+        return f" (got {value!r})"
+    return ""
 
 
 def _format_errors(exc: ValidationError, source: str) -> str:
     lines = [f"invalid job config ({source}):"]
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "<root>"
-        lines.append(f"  {field}: {err['msg']} (got {err.get('input')!r})")
+        lines.append(f"  {field}: {redact_url(err['msg'])}{_shown_input(err)}")
     return "\n".join(lines)
+
+
+@contextmanager
+def _reading(path: Path | None) -> Iterator[None]:
+    token = _CONFIG_FILE.set(path)
+    try:
+        yield
+    finally:
+        _CONFIG_FILE.reset(token)
 
 
 def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> JobConfig:
@@ -286,17 +424,17 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
     ``overrides`` are nested dicts merged over the file, e.g. ``train={"steps": 10}``;
     ETT_* environment variables win over both. Raises ConfigError naming each bad field.
     """
-    data: dict[str, Any] = _load_file(Path(path)) if path is not None else {}
     source = str(path) if path is not None else "embedded defaults"
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(data.get(key), dict):
-            data[key] = {**data[key], **value}
-        else:
-            data[key] = value
     try:
-        return JobConfig(**data)
+        with _reading(Path(path) if path is not None else None):
+            return JobConfig(**overrides)
     except ValidationError as exc:
         raise ConfigError(_format_errors(exc, source)) from None
+    except SettingsError as exc:  # an ETT_* variable that is not valid JSON where JSON is due
+        raise ConfigError(
+            f"invalid job config (environment): {exc}; lists and sections given in one "
+            "variable are JSON, e.g. ETT_DATA__CAT_VOCAB_SIZES='[50, 20]'"
+        ) from None
 
 
 def dump_config(config: JobConfig, path: str | os.PathLike[str]) -> None:

@@ -27,7 +27,9 @@ failing again backs off exponentially (flap protection). Preemptions do not coun
 ``max_failures``. Fatal outcomes (bad config or data, incompatible checkpoint, job locked)
 stop the job.
 
-Every process started here is ended here: on success, failure, cancellation (the flow run is
+The job's lease (infra/lease.py) is held for the whole run, so a second job with the same
+job id refuses to start. Every process started here is ended here: on success, failure,
+cancellation (the flow run is
 cancelled: the running attempt is preempted, with ``grace_s`` to checkpoint) or an exception.
 """
 
@@ -49,6 +51,7 @@ from typing import Any
 from infra import processes
 from infra.control import Command, ControlDir, Phase, Progress
 from infra.exit_codes import ExitCode, Outcome, name_of, outcome_of
+from infra.lease import acquire_job_lease
 from infra.ledger import Ledger, Mark, Span, recover_orphaned_spools
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -405,10 +408,12 @@ class JobRunner:
         self._standby: AttemptProcess | None = None
         self._failures = 0
         self._settled = False
+        self._lease_env: dict[str, str] = {}
 
     # -- spawning ----------------------------------------------------------------------------
     def _spawn(self, number: int, standby: bool) -> AttemptProcess:
         env = {
+            **self._lease_env,
             "ETT_JOB_FAILURES": str(self._failures),
             "ETT_JOB_STARTED_AT": repr(self.job_started_at),
         }
@@ -480,7 +485,15 @@ class JobRunner:
         reports: list[AttemptReport] = []
         preemptions = repeats = 0
         number = self.first_attempt
-        current = self._spawn(number, standby=False)
+        # One job id, one job: held for the whole job, checked by every trainer group of it
+        # (an attempt and its standby). Raises JobLocked while another job holds it.
+        lease = acquire_job_lease(self.job_url)
+        self._lease_env = lease.env()
+        try:
+            current = self._spawn(number, standby=False)
+        except BaseException:
+            lease.release()
+            raise
         try:
             while True:
                 try:
@@ -532,6 +545,7 @@ class JobRunner:
                 current = self._next(number, report, delay)
         finally:
             self.release_standby()
+            lease.release()
 
     def _next(self, number: int, report: AttemptReport, delay: float) -> AttemptProcess:
         """The next attempt: the standby, promoted, or a cold launch."""

@@ -48,7 +48,7 @@ from infra.ledger import Ledger, Mark, Span
 from infra.settings import JobConfig
 from trainer import compile_cache, compiled
 from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.checkpoint.manifest import CheckpointError
+from trainer.checkpoint.manifest import CheckpointError, rank_state_name
 from trainer.checkpoint.restore import candidates, check_compatible, restore
 from trainer.checkpoint.retention import purge_uncommitted
 from trainer.checkpoint.state import app_state, apply_loaded
@@ -286,7 +286,6 @@ class Initializer:
         else:
             attrs["cache_status"] = "off"
 
-
     def compile(self, attrs: dict[str, Any]) -> None:
         state = self.compile_state
         with self.ledger.span(Span.COMPILE, what="warmup") as span:
@@ -386,7 +385,7 @@ def peek_resume(config: JobConfig, env: DistEnv) -> Resume | None:
                 check_compatible(ckpt, config, env.world_size)
             except CheckpointError:
                 continue  # restore skips it too (or fails the attempt)
-            name = f"trainer_state.rank{env.rank:03d}.json"
+            name = rank_state_name(env.rank)
             extra = json.loads(storage.read_text(storage.join(ckpt.url, name)))
             return Resume(int(extra["step"]), extra.get("loader"), ckpt.url)
         return Resume()

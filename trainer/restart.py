@@ -77,7 +77,8 @@ class InProcessRestart:
         try:
             checkpointer.wait_for_inflight(timeout_s=rec.agree_timeout_s)
         except TimeoutError:
-            checkpointer.abandon_inflight()
+            log.error("the in-flight checkpoint is still uploading: failing the attempt")
+            raise exc from None
         resume = restore_model(
             self.config, self.env, model, optimizer, self.ledger, checkpointer.pg, in_process=True
         )

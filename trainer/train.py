@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from infra import storage
 from infra.control import Phase, RankControl
 from infra.exit_codes import ExitCode
+from infra.lease import JobLocked, trainer_lease
 from infra.ledger import Ledger, Mark, Span, next_attempt, recover_orphaned_spools
 from infra.processes import die_with_parent
 from infra.settings import CheckpointMode, ConfigError, EvalMode, JobConfig, load_config
@@ -121,6 +123,18 @@ def run(config: JobConfig, control: RankControl | None = None) -> int:
     """Train one attempt of the job; returns the process exit code."""
     storage.configure(config.storage)
     rank = int(os.environ.get("RANK", "0"))
+    try:
+        with trainer_lease(config.job_url, rank):  # one job id, one job (infra/lease.py)
+            return _run_attempt(config, rank, control)
+    except JobLocked as exc:
+        log.error("%s", exc)
+        return ExitCode.JOB_LOCKED
+    except storage.StorageError as exc:  # retries spent: relaunch later
+        log.error("storage unavailable: %s", exc)
+        return ExitCode.STORAGE_UNAVAILABLE
+
+
+def _run_attempt(config: JobConfig, rank: int, control: RankControl | None) -> int:
     recover_orphaned_spools(config.job_url)  # ledger events of killed attempts on this node
     attempt = attempt_number(config.job_url, rank)
     ledger = Ledger(config.job_url, attempt=attempt, rank=rank)
@@ -295,19 +309,15 @@ def _write_final_metrics(
 
 
 def _save_on_preemption(
-    config: JobConfig, checkpointer: Checkpointer, step: int, snapshot: Any
+    config: JobConfig,
+    checkpointer: Checkpointer,
+    step: int,
+    snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
 ) -> int:
-    """Preempted: finish the in-flight upload if the budget allows, then save synchronously."""
+    """Preempted: the whole save within the budget (trainer/checkpoint/checkpointer.py)."""
     budget = config.checkpoint.preemption_budget_s
-    log.warning("preempted: saving at step %d within %.0f s", step, budget)
-    if config.checkpoint.mode == CheckpointMode.OFF:
-        return ExitCode.PREEMPTED
-    try:
-        checkpointer.wait_for_inflight(timeout_s=budget / 2)
-    except TimeoutError:
-        checkpointer.abandon_inflight()
-    checkpointer.save(step, snapshot, blocking=True)
-    return ExitCode.PREEMPTED
+    saved = checkpointer.emergency_save(step, snapshot, budget)
+    return ExitCode.PREEMPTED if saved else ExitCode.EMERGENCY_SAVE_FAILED
 
 
 def _fmt(metrics: dict[str, float]) -> str:

@@ -99,3 +99,32 @@ def test_spools_of_killed_attempts_are_removed_and_live_ones_kept(tmp_path, monk
         (folder / "__0_0.distcp").write_bytes(b"x" * 10)
     assert remove_stale_spools("job-a", 0) == [str(stale)]
     assert not stale.exists() and live.exists() and other_rank.exists() and other_job.exists()
+
+
+def test_retention_never_deletes_the_checkpoint_just_committed(job_url: str) -> None:
+    """A newer committed step (another lineage, or a corrupt one not yet found) must not
+    push out the checkpoint this process has just written and verified."""
+    _fake_checkpoint(job_url, 30)
+    just = _fake_checkpoint(job_url, 10)
+    _fake_checkpoint(job_url, 5)
+    purge_old(job_url, keep_latest_k=1, keep=just)
+    assert [c.step for c in committed_checkpoints(job_url)] == [30, 10]
+
+
+def test_quarantine_moves_a_checkpoint_out_of_the_committed_ones(job_url: str) -> None:
+    import json
+
+    from trainer.checkpoint.manifest import QUARANTINE, quarantine
+
+    _fake_checkpoint(job_url, 10)
+    bad = _fake_checkpoint(job_url, 20)
+    moved = quarantine(bad, "checksum mismatch in __0_0.distcp")
+    assert [c.step for c in committed_checkpoints(job_url)] == [10]
+    assert step_dir_name(20) not in storage.listdir(checkpoints_url(job_url))
+    assert moved.startswith(storage.join(checkpoints_url(job_url), QUARANTINE, step_dir_name(20)))
+    assert storage.exists(storage.join(moved, "__0_0.distcp"))
+    assert storage.exists(storage.join(moved, MANIFEST))
+    reason = json.loads(storage.read_text(storage.join(moved, "_quarantined.json")))["reason"]
+    assert reason == "checksum mismatch in __0_0.distcp"
+    purge_old(job_url, keep_latest_k=1)  # retention leaves the quarantine alone
+    assert storage.exists(storage.join(moved, MANIFEST))

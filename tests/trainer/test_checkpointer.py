@@ -167,3 +167,76 @@ def test_a_failed_staging_copy_fails_that_checkpoint_not_training(
     assert [c.step for c in committed_checkpoints(config.job_url)] == [1]
     marks = [e for e in read_events(f"file://{tmp_path}/ledger") if e.name == "checkpoint_failed"]
     assert [m.step for m in marks] == [2] and "staging buffer" in marks[0].attrs["error"]
+
+
+def test_a_committed_step_is_not_written_again(tmp_path, group: dist.ProcessGroup) -> None:
+    config = _config(tmp_path, "sync")
+    storage.configure(config.storage)
+    ledger = Ledger(f"file://{tmp_path}/ledger")
+    ckpt = Checkpointer(config, rank=0, world_size=1, ledger=ledger, process_group=group)
+    state = _state(group, 1.0)
+    try:
+        ckpt.save(1, lambda: (state, {"loader": {}}))
+        [first] = committed_checkpoints(config.job_url)
+        folder = storage.local_path(first.url) or ""
+        before = {n: os.stat(os.path.join(folder, n)).st_mtime_ns for n in os.listdir(folder)}
+        _fill(state, 2.0)
+        ckpt.save(1, lambda: (state, {"loader": {}}), blocking=True)
+    finally:
+        ckpt.close()
+        ledger.close()
+    assert ckpt.skipped_steps == [1] and ckpt.failed_steps == []
+    after = {n: os.stat(os.path.join(folder, n)).st_mtime_ns for n in os.listdir(folder)}
+    assert after == before
+    assert committed_checkpoints(config.job_url)[0].manifest == first.manifest
+
+
+def test_markers_of_an_earlier_try_never_complete_a_new_commit(
+    tmp_path, group: dist.ProcessGroup
+) -> None:
+    """Rank 0 of a 2-rank save, with rank 1 played by a thread. Markers of an earlier try at
+    the same step (a done-marker of rank 1, a failure marker) lie in the folder: the commit
+    must wait for rank 1's marker of this save, and list what that one says."""
+    import json
+    import threading
+    import time
+
+    from trainer.checkpoint.manifest import checkpoints_url
+
+    config = _config(tmp_path, "sync")
+    storage.configure(config.storage)
+    url = storage.join(checkpoints_url(config.job_url), step_dir_name(1))
+    stale = {"__1_0.distcp": {"size": 1, "sha256": "stale"}}
+    for name in ("_done.rank001.json", "_done.rank001.earlier-0.json"):
+        storage.write_text(storage.join(url, name), json.dumps(stale))
+    storage.write_text(storage.join(url, "_failed.rank001.earlier-1.json"), "{}")
+    fresh = {"__1_0.distcp": {"size": 2, "sha256": "fresh"}}
+
+    def rank1() -> None:
+        folder = storage.local_path(url) or ""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            mine = [n for n in os.listdir(folder) if n.startswith("_done.rank000.")]
+            if mine:
+                nonce = mine[0][len("_done.rank000.") : -len(".json")]
+                time.sleep(0.3)  # rank 1 is slower: the commit must wait for it
+                storage.write_text(
+                    storage.join(url, f"_done.rank001.{nonce}.json"), json.dumps(fresh)
+                )
+                return
+            time.sleep(0.01)
+
+    ledger = Ledger(f"file://{tmp_path}/ledger")
+    ckpt = Checkpointer(config, rank=0, world_size=2, ledger=ledger)
+    helper = threading.Thread(target=rank1)
+    helper.start()
+    try:
+        ckpt.save(1, lambda: (_state(group, 1.0), {"loader": {}}))
+    finally:
+        helper.join()
+        ckpt.close()
+        ledger.close()
+    assert ckpt.failed_steps == []
+    [committed] = committed_checkpoints(config.job_url)
+    assert committed.manifest.files["__1_0.distcp"].sha256 == "fresh"
+    assert committed.manifest.nonce and committed.manifest.nonce != "earlier-0"

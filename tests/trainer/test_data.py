@@ -260,7 +260,9 @@ def test_bad_rows_are_counted_logged_and_skipped(caplog):
         {**GOOD, "label": 0.0, "history": []},
     ]
     _write_rows(f"{url}/train/part-00000.parquet", rows)
-    loader = TrainLoader(_tiny_config(url), 0, 1, seed=0, prefetch=0)
+    # 9 of 12 rows bad: far above the default limit, which tests/reliability covers.
+    data = _tiny_config(url, max_bad_row_fraction=1.0)
+    loader = TrainLoader(data, 0, 1, seed=0, prefetch=0)
     with caplog.at_level(logging.WARNING, logger="trainer.data.loader"):
         batch = next(loader)
     assert loader.stats["bad_rows"] == 9
@@ -340,7 +342,8 @@ def test_criteo_rows_parse_and_bad_lines_are_skipped(tmp_path, caplog):
     ]
     (tmp_path / "train").mkdir()
     (tmp_path / "train" / "day_0.tsv").write_text("".join(lines))
-    loader = TrainLoader(_criteo_config(f"file://{tmp_path}"), 0, 1, seed=0, prefetch=0)
+    data = _criteo_config(f"file://{tmp_path}", max_bad_row_fraction=1.0)  # 4 of 7 bad
+    loader = TrainLoader(data, 0, 1, seed=0, prefetch=0)
     with caplog.at_level(logging.WARNING):
         batch = next(loader)
     assert loader.stats["bad_rows"] == 4 and len(batch) == 3

@@ -14,6 +14,14 @@ a spool folder for object stores), then, off the training thread, uploaded file 
 (parallel multipart for large files), each rank records its files' sizes and checksums in
 a small done-marker, and rank 0 writes the manifest last once every rank is done. At most
 one checkpoint is in flight: a new save first waits for the previous one.
+
+A committed checkpoint is never written again: before writing, the ranks agree (one tiny
+all-reduce) whether the step's folder is committed already, and if so the save is a no-op.
+Each save has a nonce shared by all ranks; done-markers and the manifest carry it, so
+markers left by an earlier, failed try at the same step can never complete this one.
+
+On SIGTERM, ``emergency_save`` holds the whole save (finishing the in-flight one, the new
+save, the commit) to ``checkpoint.preemption_budget_s``.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import shutil
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import wait
 from dataclasses import dataclass
@@ -45,6 +54,10 @@ from trainer.checkpoint.manifest import (
     FileEntry,
     Manifest,
     checkpoints_url,
+    done_marker,
+    failed_marker,
+    rank_state_name,
+    read_manifest,
     sha256_file,
     step_dir_name,
 )
@@ -63,6 +76,10 @@ class InFlight:
     staging: Staging | None  # async_staged: the copy, until it is known complete
     thread: threading.Thread  # finishes and commits it; async_staged: started once copied
     error: list[BaseException]
+
+
+class _AlreadyCommitted(Exception):
+    """Raised inside a save whose step is committed already: nothing is written."""
 
 
 def _spool_prefix(job_id: str, rank: int) -> str:
@@ -111,13 +128,50 @@ class Checkpointer:
         self.spool = tempfile.mkdtemp(prefix=f"{_spool_prefix(config.job_id, rank)}{os.getpid()}-")
         self._stager: ShardedStateStager | None = None
         self._inflight: InFlight | None = None
+        self._abandoned: threading.Thread | None = None  # past the preemption budget
         self.failed_steps: list[int] = []  # checkpoints this rank saw fail
+        self.skipped_steps: list[int] = []  # saves that found their step committed already
+        self._token = self._shared_token()
+        self._saves = 0
+        self._nonce = ""  # of the latest save
+        self._outcome: dict[str, str] = {}  # nonce -> committed | done | skipped | failed
         # The config never changes: render its YAML once, not in every save's blocking time
         # (yaml's pure-Python emitter takes 10-30 ms, as long as staging 64 MB).
         rendered = os.path.join(self.spool, "config.yaml")
         dump_config(config, rendered)
         with open(rendered) as fh:
             self._config_yaml = fh.read()
+
+    def _shared_token(self) -> str:
+        """A random token, the same on every rank (rank 0's), for the saves' nonces. Sent
+        once here, before any checkpoint thread uses the group."""
+        token = [uuid.uuid4().hex[:12]]
+        if self.world_size > 1 and self.pg is not None:
+            dist.broadcast_object_list(token, src=0, group=self.pg)
+        return str(token[0])
+
+    def _step_url(self, step: int) -> str:
+        return storage.join(self.root, step_dir_name(step))
+
+    def _refuse_if_committed(self, step: int) -> None:
+        """Raise _AlreadyCommitted on every rank if the step's folder is committed on any
+        rank's view (or cannot be checked): a committed folder is never written again.
+        Collective on the checkpoint group, right before the save's own collectives."""
+        unknown = 2  # storage would not say: this save fails on every rank
+        error = ""
+        try:
+            state = int(storage.exists(storage.join(self._step_url(step), MANIFEST)))
+        except OSError as exc:
+            state, error = unknown, str(exc)
+        if self.world_size > 1 and self.pg is not None:
+            flag = torch.tensor([state])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pg)
+            state = int(flag.item())
+        if state == unknown:
+            why = error or "another rank could not check"
+            raise CheckpointError(f"cannot tell whether step {step} is committed already: {why}")
+        if state:
+            raise _AlreadyCommitted(step)
 
     # -- saving -----------------------------------------------------------------------------
     def _make_stager(self) -> ShardedStateStager:
@@ -133,19 +187,20 @@ class Checkpointer:
         )
         return ShardedStateStager(options)
 
-    def _local_dir(self, step: int) -> str:
+    def _local_dir(self, step: int, create: bool = True) -> str:
         if self.remote:
             path = os.path.join(self.spool, step_dir_name(step))
         else:
-            path = storage.local_path(storage.join(self.root, step_dir_name(step))) or ""
-        os.makedirs(path, exist_ok=True)
+            path = storage.local_path(self._step_url(step)) or ""
+        if create:
+            os.makedirs(path, exist_ok=True)
         return path
 
     def _prepare(self, step: int, extra: dict[str, Any]) -> dcp.FileSystemWriter:
         """The step's local folder with this rank's JSON state (rank 0: the config too), and
         the DCP writer into it."""
         local_dir = self._local_dir(step)
-        with open(os.path.join(local_dir, f"trainer_state.rank{self.rank:03d}.json"), "w") as fh:
+        with open(os.path.join(local_dir, rank_state_name(self.rank)), "w") as fh:
             json.dump({"step": step, **extra}, fh)
         if self.rank == 0:
             with open(os.path.join(local_dir, "config.yaml"), "w") as fh:
@@ -167,7 +222,8 @@ class Checkpointer:
     ) -> None:
         """Checkpoint at ``step`` what ``snapshot()`` returns: the tensor state for DCP and
         this rank's JSON state (step, data position). Called inside the blocking span, so
-        building the state dicts is accounted as checkpoint time.
+        building the state dicts is accounted as checkpoint time. A step committed already
+        is not saved again (logged, recorded in ``skipped_steps``).
 
         Blocks only for what the mode must: the previous checkpoint if still in flight, and
         the staging copy (sync mode: the whole write). ``anchor`` and ``blocking`` force a
@@ -181,26 +237,38 @@ class Checkpointer:
         own thread instead of ``dcp.async_save``, which starts its thread mid-copy.
         """
         mode = CheckpointMode.SYNC if anchor or blocking else self.config.checkpoint.mode
+        nonce = self._nonce = f"{self._token}-{self._saves}"
+        self._saves += 1
         with self.ledger.span("checkpoint_blocking", step=step, mode=mode) as attrs:
             waited = self.wait_for_inflight()
             attrs["waited_for_previous_s"] = round(waited, 6)
+            self._outcome = {}  # nothing older is waited for again
             state, extra = snapshot()
             error: list[BaseException] = []
             if mode == CheckpointMode.ASYNC_STAGED:
                 staging = self._get_stager().begin(state)
 
                 def write_staged() -> None:
+                    self._refuse_if_committed(step)
                     writer = self._prepare(step, extra)
                     dcp.save(staging.state_dict(), storage_writer=writer, process_group=self.pg)
 
-                thread = self._commit_thread(step, anchor, error, write_staged)
+                thread = self._commit_thread(step, anchor, nonce, error, write_staged)
                 self._inflight = InFlight(step, anchor, staging, thread, error)
                 return  # the thread starts in wait_until_staged, once the copy is done
+            try:
+                self._refuse_if_committed(step)
+            except _AlreadyCommitted:
+                self._skipped(step, nonce)
+                return
+            except CheckpointError as exc:
+                self._failed(step, nonce, error, exc)
+                return
             writer = self._prepare(step, extra)
             if mode == CheckpointMode.SYNC:
                 dcp.save(state, storage_writer=writer, process_group=self.pg)
                 self.on_phase("staged", step)
-                self._finish(step, anchor, error)
+                self._finish(step, anchor, nonce, error)
                 return
             # "async": DCP stages on this thread, then writes on its own.
             upload = dcp.async_save(
@@ -210,16 +278,40 @@ class Checkpointer:
                 async_stager=self._get_stager(),
             )
             self.on_phase("staged", step)
-            thread = self._commit_thread(step, anchor, error, upload.result)
+            thread = self._commit_thread(step, anchor, nonce, error, upload.result)
             thread.start()
             self._inflight = InFlight(step, anchor, None, thread, error)
 
+    def _skipped(self, step: int, nonce: str) -> None:
+        self.skipped_steps.append(step)
+        self._outcome[nonce] = "skipped"
+        log.info("checkpoint at step %d is committed already: not writing it again", step)
+
+    def _failed(
+        self, step: int, nonce: str, error: list[BaseException], exc: BaseException
+    ) -> None:
+        error.append(exc)
+        self.failed_steps.append(step)
+        self._outcome[nonce] = "failed"
+        log.error("checkpoint at step %d failed, previous one stays the latest: %s", step, exc)
+        self.ledger.mark("checkpoint_failed", step=step, error=str(exc)[:500])
+        # Tell rank 0 not to wait for this rank (may fail too, in an outage).
+        with contextlib.suppress(OSError):
+            storage.write_text(
+                storage.join(self._step_url(step), failed_marker(self.rank, nonce)), "{}"
+            )
+
     def _commit_thread(
-        self, step: int, anchor: bool, error: list[BaseException], write: Callable[[], Any]
+        self,
+        step: int,
+        anchor: bool,
+        nonce: str,
+        error: list[BaseException],
+        write: Callable[[], Any],
     ) -> threading.Thread:
         return threading.Thread(
             target=self._finish,
-            args=(step, anchor, error, write),
+            args=(step, anchor, nonce, error, write),
             name=f"ckpt-commit-{step}",
             daemon=True,
         )
@@ -263,24 +355,90 @@ class Checkpointer:
         self._inflight = None
         return time.perf_counter() - start
 
-    def abandon_inflight(self) -> None:
-        """Stop waiting for the in-flight checkpoint (its thread may still commit it later;
-        a newer checkpoint supersedes it either way; one still staging is never written)."""
-        if self._inflight is not None:
-            log.warning("abandoning the in-flight checkpoint of step %d", self._inflight.step)
-        self._inflight = None
+    def emergency_save(
+        self,
+        step: int,
+        snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
+        budget_s: float,
+    ) -> bool:
+        """Preempted: save at ``step`` within ``budget_s`` for the WHOLE of it (waiting for
+        the in-flight checkpoint, the new save, the commit). True when the step is
+        committed (by this save, by the in-flight one, or before: a committed step is not
+        saved again) or checkpoints are off; False when the save failed or ran out of time.
+        Every rank returns the same answer unless a rank dies or storage fails mid-way.
+
+        What outlives a False (a thread stuck in an upload) is abandoned: it cannot
+        commit anything older than the committed checkpoint, and the process exits."""
+        log.warning("preempted: saving at step %d within %.0f s", step, budget_s)
+        if self.config.checkpoint.mode == CheckpointMode.OFF:
+            return True
+        deadline = time.monotonic() + budget_s
+        inflight = self._inflight
+        try:
+            self.wait_for_inflight(timeout_s=budget_s)
+        except TimeoutError:
+            assert inflight is not None
+            log.error(
+                "emergency save at step %d: the checkpoint of step %d is still uploading "
+                "after the whole %.0f s budget",
+                step,
+                inflight.step,
+                budget_s,
+            )
+            self._abandoned, self._inflight = inflight.thread, None
+            return False
+        result: list[bool] = []
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+        def save_and_confirm() -> None:
+            if device is not None:  # the current device is per thread
+                torch.cuda.set_device(device)
+            self.save(step, snapshot, blocking=True)
+            result.append(self._confirm(step, deadline))
+
+        thread = threading.Thread(target=save_and_confirm, name=f"ckpt-emergency-{step}")
+        thread.daemon = True
+        thread.start()
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            log.error("emergency save at step %d ran out of its %.0f s budget", step, budget_s)
+            self.ledger.mark("checkpoint_failed", step=step, error="preemption budget exceeded")
+            self._abandoned = thread
+            return False
+        return bool(result and result[0])
+
+    def _confirm(self, step: int, deadline: float) -> bool:
+        """After a blocking save: is ``step`` committed? Rank 0 knows (it commits); the
+        other ranks wait for the manifest of this save."""
+        outcome = self._outcome.get(self._nonce)
+        if outcome in ("committed", "skipped"):
+            return True
+        if outcome != "done":  # failed
+            return False
+        url = self._step_url(step)
+        while time.monotonic() < deadline:
+            try:
+                if storage.exists(storage.join(url, MANIFEST)):
+                    return read_manifest(url).nonce == self._nonce
+                if storage.exists(storage.join(url, failed_marker(0, self._nonce))):
+                    return False
+            except (OSError, CheckpointError) as exc:
+                log.warning("emergency save at step %d: cannot read its commit: %s", step, exc)
+            time.sleep(0.05)
+        return False
 
     def _finish(
         self,
         step: int,
         anchor: bool,
+        nonce: str,
         error: list[BaseException],
         write: Callable[[], Any] | None = None,
     ) -> None:
         """Finish the DCP write (``write``), upload, mark this rank done, commit (rank 0).
         Runs on the commit thread, except in sync mode."""
-        url = storage.join(self.root, step_dir_name(step))
-        local_dir = self._local_dir(step)
+        url = self._step_url(step)
+        local_dir = self._local_dir(step, create=False)
         try:
             if write is not None:
                 write()
@@ -292,19 +450,14 @@ class Checkpointer:
                     storage.put_file(path, storage.join(url, name))
             self.on_phase("uploaded", step)
             done = {name: vars(entry) for name, entry in entries.items()}
-            storage.write_text(
-                storage.join(url, f"_done.rank{self.rank:03d}.json"), json.dumps(done)
-            )
+            storage.write_text(storage.join(url, done_marker(self.rank, nonce)), json.dumps(done))
             if self.rank == 0:
-                self._commit(step, url, anchor)
+                self._commit(step, url, anchor, nonce)
+            self._outcome[nonce] = "committed" if self.rank == 0 else "done"
+        except _AlreadyCommitted:
+            self._skipped(step, nonce)
         except BaseException as exc:  # noqa: BLE001 - reported, never kills training
-            error.append(exc)
-            self.failed_steps.append(step)
-            log.error("checkpoint at step %d failed, previous one stays the latest: %s", step, exc)
-            self.ledger.mark("checkpoint_failed", step=step, error=str(exc)[:500])
-            # Tell rank 0 not to wait for this rank (may fail too, in an outage).
-            with contextlib.suppress(OSError):
-                storage.write_text(storage.join(url, f"_failed.rank{self.rank:03d}.json"), "{}")
+            self._failed(step, nonce, error, exc)
         finally:
             if self.remote:
                 shutil.rmtree(local_dir, ignore_errors=True)
@@ -319,16 +472,17 @@ class Checkpointer:
             )
             if self.rank == 0 and name in (".metadata", "config.yaml"):
                 owned = True
-            if owned and not name.startswith("_done"):
+            if owned and not name.startswith(("_done", "_failed")):
                 mine.append((name, os.path.join(local_dir, name)))
         return mine
 
-    def _commit(self, step: int, url: str, anchor: bool) -> None:
-        """Rank 0: once every rank's done-marker is there, write the manifest (last)."""
+    def _commit(self, step: int, url: str, anchor: bool, nonce: str) -> None:
+        """Rank 0: once every rank's done-marker of this save is there, write the manifest
+        (last)."""
         deadline = time.monotonic() + COMMIT_TIMEOUT_S
-        markers = [storage.join(url, f"_done.rank{r:03d}.json") for r in range(self.world_size)]
+        markers = [storage.join(url, done_marker(r, nonce)) for r in range(self.world_size)]
         while not all(storage.exists(m) for m in markers):
-            if storage.glob(storage.join(url, "_failed.rank*.json")):
+            if storage.glob(storage.join(url, f"_failed.rank*.{nonce}.json")):
                 raise CheckpointError(f"checkpoint {url}: another rank failed to write it")
             if time.monotonic() > deadline:
                 raise CheckpointError(f"checkpoint {url}: not every rank finished its upload")
@@ -345,6 +499,7 @@ class Checkpointer:
             files=files,
             anchor=anchor,
             job_id=self.config.job_id,
+            nonce=nonce,
         )
         self.on_phase("before_manifest", step)
         storage.write_text(storage.join(url, MANIFEST), manifest.to_json())
@@ -353,14 +508,16 @@ class Checkpointer:
         if anchor:
             self.ledger.mark("anchor_committed", step=step, url=url)
         try:
-            purge_old(self.config.job_url, self.config.checkpoint.keep_latest_k)
+            purge_old(self.config.job_url, self.config.checkpoint.keep_latest_k, keep=url)
         except Exception as exc:  # noqa: BLE001 - committed already; the next commit retries
             log.warning("checkpoint at step %d committed; deleting old ones failed: %s", step, exc)
 
     def close(self) -> None:
-        """Wait for the in-flight checkpoint and release the stager's resources."""
+        """Wait for the in-flight checkpoint and release the stager's resources (an
+        emergency save abandoned past its budget is not waited for)."""
         try:
-            self.wait_for_inflight()
+            if self._abandoned is None:
+                self.wait_for_inflight()
         finally:
             if self._stager is not None:
                 self._stager.close()

@@ -1,4 +1,5 @@
-"""Checkpoint verification: every file's size and SHA-256 against the manifest.
+"""Checkpoint verification and quarantine: every file's size and SHA-256 against the manifest,
+and a corrupt checkpoint moved out of the committed ones.
 
 The layout, the manifest format and the list of committed checkpoints live in
 infra/checkpoints.py (the orchestrator reads them too); they are re-exported here.
@@ -7,37 +8,56 @@ infra/checkpoints.py (the orchestrator reads them too); they are re-exported her
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
+import time
+import uuid
 
 from infra import storage
 from infra.checkpoints import (
     FORMAT_VERSION,
     MANIFEST,
+    QUARANTINE,
+    CheckpointCorrupt,
     CheckpointError,
     CommittedCheckpoint,
     FileEntry,
     Manifest,
     checkpoints_url,
     committed_checkpoints,
+    done_marker,
+    failed_marker,
     library_versions,
+    rank_state_name,
     read_manifest,
     step_dir_name,
+    step_url,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST",
+    "QUARANTINE",
+    "CheckpointCorrupt",
     "CheckpointError",
     "CommittedCheckpoint",
     "FileEntry",
     "Manifest",
     "checkpoints_url",
     "committed_checkpoints",
+    "done_marker",
+    "failed_marker",
     "library_versions",
+    "quarantine",
+    "rank_state_name",
     "read_manifest",
     "sha256_file",
     "sha256_url",
     "step_dir_name",
+    "step_url",
     "verify_files",
 ]
 
@@ -68,12 +88,47 @@ def verify_files(ckpt_url: str, manifest: Manifest, local_dir: str | None = None
             path = storage.join(ckpt_url, name)
             present, size_of, digest_of = storage.exists(path), storage.size, sha256_url
         if not present:
-            raise CheckpointError(f"checkpoint {ckpt_url} is missing file {name}")
+            raise CheckpointCorrupt(f"checkpoint {ckpt_url} is missing file {name}")
         size = size_of(path)
         if size != entry.size:
-            raise CheckpointError(
+            raise CheckpointCorrupt(
                 f"checkpoint {ckpt_url} is corrupt: {name} has {size} bytes, manifest says "
                 f"{entry.size}"
             )
         if digest_of(path) != entry.sha256:
-            raise CheckpointError(f"checkpoint {ckpt_url} is corrupt: checksum mismatch in {name}")
+            raise CheckpointCorrupt(
+                f"checkpoint {ckpt_url} is corrupt: checksum mismatch in {name}"
+            )
+
+
+def _copy(src: str, dst: str) -> None:
+    """Copy one object within a store (server-side on S3)."""
+    fs, src_path = storage.split(src)
+    _, dst_path = storage.split(dst)
+    storage.with_retries(f"copy {src}", lambda: fs.copy(src_path, dst_path))
+
+
+def quarantine(ckpt_url: str, reason: str) -> str:
+    """Move a corrupt checkpoint out of the committed ones, to ``checkpoints/quarantine/``:
+    it is never listed, resumed from or counted by retention again, and stays for
+    inspection. The manifest goes first (copied, then removed), so an interruption leaves at
+    worst an uncommitted folder, which the next attempt clears. Returns the new URL."""
+    name = ckpt_url.rstrip("/").rsplit("/", 1)[-1]
+    root = ckpt_url.rstrip("/").rsplit("/", 1)[0]
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = storage.join(root, QUARANTINE, f"{name}-{stamp}-{uuid.uuid4().hex[:6]}")
+    local, dest = storage.local_path(ckpt_url), storage.local_path(target)
+    if local is not None and dest is not None:
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        os.rename(local, dest)  # atomic on one filesystem
+    else:
+        names = [n for n in storage.listdir(ckpt_url) if n != MANIFEST]
+        if storage.exists(storage.join(ckpt_url, MANIFEST)):
+            _copy(storage.join(ckpt_url, MANIFEST), storage.join(target, MANIFEST))
+            storage.remove(storage.join(ckpt_url, MANIFEST))  # no longer committed
+        for entry in names:
+            _copy(storage.join(ckpt_url, entry), storage.join(target, entry))
+        storage.remove(ckpt_url, recursive=True)
+    storage.write_text(storage.join(target, "_quarantined.json"), json.dumps({"reason": reason}))
+    log.warning("quarantined checkpoint %s as %s: %s", ckpt_url, target, reason)
+    return target

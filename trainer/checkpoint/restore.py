@@ -1,4 +1,16 @@
-"""Find, verify and load the checkpoint an attempt resumes from (or warm-starts from)."""
+"""Find, verify and load the checkpoint an attempt resumes from (or warm-starts from).
+
+Three kinds of trouble, three answers:
+
+* verified corruption (a listed file missing, a size or checksum mismatch, an unreadable
+  manifest): with ``checkpoint.fallback_on_corrupt`` the previous committed checkpoint is
+  loaded and the corrupt one quarantined, so it is never tried or counted again;
+* storage errors (5xx, timeouts, resets) while reading: retried by infra.storage; when
+  they persist, infra.storage.StorageError ends the attempt as retryable
+  (STORAGE_UNAVAILABLE). Falling back would silently throw away the newest work;
+* a checkpoint that does not fit this job (another model config, world size, or one DCP
+  cannot load): CheckpointError, which no relaunch fixes (CHECKPOINT_INCOMPATIBLE).
+"""
 
 from __future__ import annotations
 
@@ -17,9 +29,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from infra import storage
 from infra.settings import CheckpointMode, JobConfig
 from trainer.checkpoint.manifest import (
+    CheckpointCorrupt,
     CheckpointError,
     CommittedCheckpoint,
     committed_checkpoints,
+    quarantine,
+    rank_state_name,
     read_manifest,
     verify_files,
 )
@@ -50,14 +65,25 @@ def check_compatible(ckpt: CommittedCheckpoint, config: JobConfig, world_size: i
 
 def fetch(ckpt: CommittedCheckpoint, into: str) -> str:
     """A verified local folder holding the checkpoint: in place on local disk, downloaded
-    (into ``into``) from object storage."""
+    (into ``into``) from object storage. Raises CheckpointCorrupt for a missing or altered
+    file, infra.storage.StorageError when storage keeps failing (retries spent)."""
     local = storage.local_path(ckpt.url)
-    if local is None:
-        local = os.path.join(into, ckpt.url.rstrip("/").rsplit("/", 1)[-1])
-        os.makedirs(local, exist_ok=True)
-        for name in ckpt.manifest.files:
-            storage.get_file(storage.join(ckpt.url, name), os.path.join(local, name))
-    verify_files(ckpt.url, ckpt.manifest, local_dir=local)
+    try:
+        if local is None:
+            local = os.path.join(into, ckpt.url.rstrip("/").rsplit("/", 1)[-1])
+            os.makedirs(local, exist_ok=True)
+            for name in ckpt.manifest.files:
+                try:
+                    storage.get_file(storage.join(ckpt.url, name), os.path.join(local, name))
+                except FileNotFoundError:
+                    raise CheckpointCorrupt(
+                        f"checkpoint {ckpt.url} is missing file {name}"
+                    ) from None
+        verify_files(ckpt.url, ckpt.manifest, local_dir=local)
+    except (CheckpointError, storage.StorageError):
+        raise
+    except OSError as exc:  # reading local disk: not the checkpoint's fault
+        raise storage.StorageError(f"reading checkpoint {ckpt.url} failed: {exc}") from exc
     return local
 
 
@@ -68,21 +94,22 @@ def load_into(
     process_group: dist.ProcessGroup | None,
     no_dist: bool = False,
 ) -> dict[str, Any]:
-    """Verify the checkpoint, fill ``state`` in place, and return this rank's JSON state."""
+    """Verify the checkpoint, fill ``state`` in place, and return this rank's JSON state.
+    Errors: see ``fetch``; a verified checkpoint DCP cannot load is a CheckpointError
+    (incompatible: its files are exactly what was committed)."""
     tmp = tempfile.mkdtemp(prefix="ett-restore-")
     try:
         local = fetch(ckpt, tmp)
-        dcp.load(state, checkpoint_id=local, process_group=process_group, no_dist=no_dist)
-        extra_path = os.path.join(local, f"trainer_state.rank{rank:03d}.json")
-        if not os.path.exists(extra_path):
-            return {}
-        with open(extra_path) as fh:
-            return json.load(fh)
-    except CheckpointError:
-        raise
-    except (OSError, RuntimeError, ValueError, KeyError, CheckpointException) as exc:
-        # DCP reports read failures as CheckpointException, a BaseException subclass.
-        raise CheckpointError(f"checkpoint {ckpt.url} could not be loaded: {exc}") from exc
+        try:
+            dcp.load(state, checkpoint_id=local, process_group=process_group, no_dist=no_dist)
+            extra_path = os.path.join(local, rank_state_name(rank))
+            if not os.path.exists(extra_path):
+                return {}
+            with open(extra_path) as fh:
+                return json.load(fh)
+        except (OSError, RuntimeError, ValueError, KeyError, CheckpointException) as exc:
+            # DCP reports read failures as CheckpointException, a BaseException subclass.
+            raise CheckpointError(f"checkpoint {ckpt.url} could not be loaded: {exc}") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -107,24 +134,37 @@ def restore(
 ) -> Restored | None:
     """Load the newest usable checkpoint into ``state``; None when there is none.
 
-    A corrupt or incompatible checkpoint raises CheckpointError naming it, or, with
-    ``checkpoint.fallback_on_corrupt``, is skipped for the previous committed one.
+    A corrupt checkpoint raises CheckpointCorrupt naming it, or, with
+    ``checkpoint.fallback_on_corrupt``, is skipped for the previous committed one and, once
+    that one loaded, quarantined. An incompatible one raises CheckpointError, a storage
+    outage infra.storage.StorageError (see the module docstring).
     Without any checkpoint of this job, ``checkpoint.warm_start`` loads a model only.
     """
     found = candidates(config)
-    reasons = []
+    corrupt: list[tuple[CommittedCheckpoint, str]] = []
     for ckpt in found:
+        check_compatible(ckpt, config, world_size)
         try:
-            check_compatible(ckpt, config, world_size)
             extra = load_into(ckpt, state, rank, process_group)
-            return Restored(ckpt, extra)
-        except CheckpointError as exc:
+        except CheckpointCorrupt as exc:
             if not config.checkpoint.fallback_on_corrupt:
                 raise
             log.warning("%s; falling back to the previous committed checkpoint", exc)
-            reasons.append(str(exc))
-    if reasons:
-        raise CheckpointError("no usable checkpoint:\n  " + "\n  ".join(reasons))
+            corrupt.append((ckpt, str(exc)))
+            continue
+        # Every rank has loaded this one, so none still reads the corrupt ones. They are
+        # quarantined only now that a good one exists: with none left, the job fails
+        # loudly rather than starting over from nothing on its next try.
+        if rank == 0 and config.checkpoint.resume == "latest":
+            for bad, reason in corrupt:
+                try:
+                    quarantine(bad.url, reason)
+                except OSError as exc:  # tried again next time; retention spares new ones
+                    log.warning("could not quarantine %s: %s", bad.url, exc)
+        return Restored(ckpt, extra)
+    if corrupt:
+        reasons = "\n  ".join(reason for _, reason in corrupt)
+        raise CheckpointCorrupt(f"no usable checkpoint:\n  {reasons}")
     if config.checkpoint.warm_start:
         url = config.checkpoint.warm_start
         ckpt = CommittedCheckpoint(url, read_manifest(url))

@@ -1,7 +1,10 @@
 """Keep the latest k committed checkpoints; clear folders that can never commit.
 
-Never deletes the newest committed checkpoint, an anchor (a publisher may still read it),
-or a folder newer than the newest commit (that may be the one in flight).
+Never deletes the checkpoint just committed (the newest one this process verified: it
+wrote and checksummed every byte), the newest committed one, an anchor (a publisher may
+still read it), or a folder newer than the newest commit (that may be the one in flight).
+Checkpoints found corrupt are quarantined by restore (manifest.quarantine), so they are not
+listed here and never take the place of a usable one among the k.
 """
 
 from __future__ import annotations
@@ -14,14 +17,22 @@ from trainer.checkpoint.manifest import MANIFEST, checkpoints_url, committed_che
 log = logging.getLogger(__name__)
 
 
-def purge_old(job_url: str, keep_latest_k: int) -> list[str]:
-    """Delete committed checkpoints beyond the newest ``keep_latest_k`` (anchors kept) and
-    uncommitted folders older than the newest commit. Returns the deleted URLs."""
+def purge_old(job_url: str, keep_latest_k: int, keep: str | None = None) -> list[str]:
+    """Delete committed checkpoints beyond the newest ``keep_latest_k`` (anchors and
+    ``keep`` kept) and uncommitted folders older than the newest commit. Returns the
+    deleted URLs."""
     committed = committed_checkpoints(job_url)
     if not committed:
         return []
-    doomed = [c.url for c in committed[max(keep_latest_k, 1) :] if not c.manifest.anchor]
-    newest = committed[0].step
+    keep = keep.rstrip("/") if keep else None
+    doomed = [
+        c.url
+        for c in committed[max(keep_latest_k, 1) :]
+        if not c.manifest.anchor and c.url.rstrip("/") != (keep or "")
+    ]
+    # Uncommitted folders below this step are debris; above it one may be in flight.
+    newest = next((c.step for c in committed if c.url.rstrip("/") == (keep or "")), None)
+    newest = committed[0].step if newest is None else newest
     root = checkpoints_url(job_url)
     for name in storage.listdir(root):
         url = storage.join(root, name)

@@ -9,7 +9,9 @@ row_offset counts the shard's rows, in permuted order, up to and including the l
 handed out, so a new loader given ``state_dict()`` continues at exactly the next unseen row.
 
 Rows are validated (label 0/1, finite dense, ids in range); bad rows are counted in
-``stats``, logged (rate-limited) with the shard URL and row, and skipped. Nothing here
+``stats``, logged (rate-limited) with the shard URL and row, and skipped, unless more than
+``data.max_bad_row_fraction`` of a file's rows read so far are bad: then DataError names the
+file and one bad row (a broken export, not noise; the trainer exits BAD_DATA). Nothing here
 touches torch.distributed: rank and world size are plain arguments.
 """
 
@@ -297,8 +299,10 @@ class _ShardReader:
         self, url: str, key: tuple[int, ...] | None, start: int, counts: dict[str, int]
     ) -> Iterator[_Rows]:
         """Good rows from shard position ``start`` on; adds to counts['bad_rows'] and
-        counts['truncated_histories']. Raises DataError when a whole shard is bad."""
-        raw = good = 0
+        counts['truncated_histories']. Raises DataError when a whole shard is bad, or more
+        than ``data.max_bad_row_fraction`` of its rows read so far."""
+        raw = good = bad_total = 0
+        example = ""
         source = self._criteo if self.parser else self._parquet
         for win in source(url, key, start):
             bad = np.zeros(len(win.rows), dtype=bool)
@@ -308,9 +312,12 @@ class _ShardReader:
             described = [
                 f"{url} {win.unit} {win.where[k]}: "
                 + ", ".join(name for name, mask in win.checks.items() if mask[k])
-                for k in bad_sel[: self.badlog.budget()]
+                for k in bad_sel[: max(self.badlog.budget(), 0 if example else 1)]
             ]
-            self.badlog.report(url, described, bad_sel.size)
+            example = example or (described[0] if described else "")
+            self.badlog.report(url, described[: self.badlog.budget()], bad_sel.size)
+            bad_total += win.dropped + bad_sel.size
+            self._check_fraction(url, bad_total, raw + win.raw, example)
             keep = ~bad[win.sel]
             rows, cut = win.rows.take(win.sel[keep], self.data.max_history_len)
             rows.pos = win.pos[keep]
@@ -332,6 +339,15 @@ class _ShardReader:
             raise DataError(f"{url}: all {raw} rows are malformed (see the warnings above)")
         if start == 0 and not raw:
             log.warning("data: shard %s holds no rows", url)
+
+    def _check_fraction(self, url: str, bad: int, rows: int, example: str) -> None:
+        limit = self.data.max_bad_row_fraction
+        if rows and bad / rows > limit and bad < rows:  # all bad: said at the shard's end
+            example = example.removeprefix(f"{url} ") or "an unparsable line (see the warnings)"
+            raise DataError(
+                f"{url}: {bad} of {rows} rows read are bad ({bad / rows:.1%}, more than "
+                f"data.max_bad_row_fraction={limit:g}); for example {example}"
+            )
 
     def _parquet(self, url: str, key: tuple[int, ...] | None, start: int) -> Iterator[_Window]:
         with storage.open_file(url, "rb") as fh:
