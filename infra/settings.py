@@ -156,7 +156,7 @@ class TrainConfig(_Frozen):
     steps: int = Field(default=600, ge=1)
     dense_lr: float = Field(default=3e-3, gt=0, le=10)
     sparse_lr: float = Field(default=0.1, gt=0, le=10)
-    eval: EvalMode = EvalMode.ASYNC
+    eval: EvalMode = Field(default=EvalMode.ASYNC, strict=False)
     eval_every: int = Field(default=200, ge=0)
     eval_rows: int = Field(default=50_000, ge=1)
     log_every: int = Field(default=50, ge=1)
@@ -171,6 +171,12 @@ class TrainConfig(_Frozen):
     # Init sub-stages as a dependency graph on threads (False: one after another).
     parallel_init: bool = True
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+    @field_validator("eval", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare ``off`` as false: take it as the word the user wrote.
+        return EvalMode.OFF if value is False else value
 
 
 class CheckpointMode(StrEnum):
