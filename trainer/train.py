@@ -175,7 +175,7 @@ def _train(config: JobConfig, ledger: Ledger, preemption: Preemption) -> int:
                 )
             if config.train.eval_every and step % config.train.eval_every == 0:
                 with ledger.span("eval", step=step) as attrs:
-                    stats.last_eval = evaluate(model, holdout, env.device)
+                    stats.last_eval = evaluate(model, holdout, env.device, env.cpu_group)
                     attrs.update(stats.last_eval)
                 if env.is_main:
                     log.info("step %d holdout %s", step, _fmt(stats.last_eval))
@@ -185,7 +185,7 @@ def _train(config: JobConfig, ledger: Ledger, preemption: Preemption) -> int:
 
         with ledger.span("shutdown", step=step):
             if not stats.last_eval or config.train.steps % max(config.train.eval_every, 1):
-                stats.last_eval = evaluate(model, holdout, env.device)
+                stats.last_eval = evaluate(model, holdout, env.device, env.cpu_group)
             if (
                 config.checkpoint.mode != CheckpointMode.OFF and step > start_step
             ):  # else: anchored already
