@@ -31,6 +31,7 @@ from trainer.checkpoint.state import app_state
 from trainer.data.batch import Batch
 from trainer.distributed import DistEnv
 from trainer.evaluation import evaluate
+from trainer.flops import record_model_flops
 from trainer.init_stages import initialize
 from trainer.model import batch_to_kjts
 
@@ -147,6 +148,7 @@ def _train(config: JobConfig, ledger: Ledger, preemption: Preemption) -> int:
         """What a checkpoint holds: tensors for DCP, and this rank's data position."""
         return app_state(model, optimizer, env.rank), {"loader": loader.state_dict()}
 
+    model_flops = record_model_flops(ledger, config, env.device, env.world_size)
     stats = LoopStats()
     step = start_step
     last_save = time.time()
@@ -163,6 +165,7 @@ def _train(config: JobConfig, ledger: Ledger, preemption: Preemption) -> int:
                 pending = None
                 loss = train_step(model, optimizer, batch, env.device)
                 attrs["loss"] = round(loss, 6)
+                attrs["flops"] = model_flops.of_batch(batch.history_offsets)
             stats.add(loss, len(batch))
             if step % config.train.log_every == 0 and env.is_main:
                 mean_loss, rate = stats.take()
