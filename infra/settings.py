@@ -66,6 +66,9 @@ class DataConfig(_Frozen):
     batch_size: int = Field(default=1024, ge=1, le=1_048_576)
     eval_batch_size: int = Field(default=4096, ge=1, le=1_048_576)
     shuffle: bool = True
+    # Re-deal each step's rows across ranks so their summed attention work is even
+    # (trainer/data/balance.py); no effect with one rank.
+    balance_ranks: bool = True
     generator: GeneratorConfig = GeneratorConfig()
 
     @model_validator(mode="after")

@@ -43,6 +43,7 @@ from trainer.checkpoint.manifest import CheckpointError
 from trainer.checkpoint.restore import candidates, check_compatible, restore
 from trainer.checkpoint.retention import purge_uncommitted
 from trainer.checkpoint.state import app_state, apply_loaded
+from trainer.data.balance import make_balancer
 from trainer.data.batch import Batch
 from trainer.data.loader import TrainLoader, holdout_batches
 from trainer.distributed import DistEnv, build_train_module, init_process_group, select_device
@@ -130,7 +131,13 @@ def initialize(config: JobConfig, ledger: Ledger) -> Components:
 
     def preproc(r: dict, attrs: dict) -> TrainLoader:
         env = r["process_group_init"][0]
-        return TrainLoader(config.data, env.rank, env.world_size, seed=config.train.seed)
+        return TrainLoader(
+            config.data,
+            env.rank,
+            env.world_size,
+            seed=config.train.seed,
+            balancer=make_balancer(config, env),
+        )
 
     def train_module(r: dict, attrs: dict) -> tuple[torch.nn.Module, Any]:
         model, optimizer = build_train_module(config, r["process_group_init"][0])

@@ -84,7 +84,10 @@ def test_trainer_collectives_are_routed_to_a_backend_for_their_device(tmp_path: 
         # ...checkpoint collectives on their own group, off the training thread...
         ckpt = [r for r in records if r["thread"].startswith("ckpt-commit")]
         assert ckpt and all(r["group"] != "WORLD" for r in ckpt)
-        # ...and the rank balancing's exchange on the data group.
-        balance = [r for r in records if r["op"] == "all_to_all_single"]
-        assert balance, "the loader's rank balancing exchanged rows"
+        # ...and the rank balancing's exchange on a group of its own (its first exchange
+        # runs on an init thread while the model is sharded on WORLD).
+        balance = [r for r in records if r["op"] == "all_to_all_single" and r["group"] != "WORLD"]
+        assert len(balance) == 12, "one exchange of rows per step"
+        assert {r["group"] for r in balance}.isdisjoint(r["group"] for r in ckpt)
+        assert any(r["thread"].startswith("init-") for r in balance)
         assert _overlaps(records) == [], "two threads used one group at the same time"
