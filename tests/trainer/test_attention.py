@@ -324,6 +324,7 @@ def test_triton_kernels_compile_for_hopper_without_a_gpu() -> None:
         assert compiled.asm.get("cubin"), kernel.fn.__name__
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
