@@ -5,7 +5,10 @@ with checkpoints and evaluation off; step time comes from the ledger's train_ste
 (steady state: the first 10 steps are skipped), so start-up is not mixed in. MFU comes
 from the same ledger (infra/mfu.py): "steady" divides the median step's model FLOPs (all
 ranks) by the median step time and nproc x the device peak; "job" is the report's MFU over
-all effective steps, and "ETT x MFU" the job's end-to-end efficiency. On a CPU the peak is
+all effective steps, and "ETT x MFU" the job's end-to-end efficiency. "Busiest rank FLOPs
+/ mean" is the per-step work imbalance across ranks (median over steps; 1.0 is even), what
+the rank balancing (data.balance_ranks) removes: it is exact, where step times on a shared
+machine are not. On a CPU the peak is
 a measured single-thread matmul peak (each rank runs one thread), cached per machine.
 
 Variants (``--variants``) are named config overrides, run one after another for each
@@ -96,8 +99,12 @@ def measure(
     rank0 = [e.duration for e in steady if e.rank == 0]
     step_s = statistics.median(rank0)
     per_step: dict[int, float] = {}
+    per_rank: dict[int, list[float]] = {}
     for e in steady:
         per_step[e.step] = per_step.get(e.step, 0.0) + float(e.attrs.get("flops", 0))
+        per_rank.setdefault(e.step, []).append(float(e.attrs.get("flops", 0)))
+    # Work imbalance: the busiest rank's model FLOPs over the mean, per step (1.0: even).
+    imbalance = statistics.median(max(f) / statistics.mean(f) for f in per_rank.values() if any(f))
     report = compute_report(events)
     job = mfu_report(events, report)
     peak = job.peak_flops if job else None
@@ -113,6 +120,7 @@ def measure(
         "median_step_s_by_rank": by_rank,
         "examples_per_s": config.data.batch_size * nproc / step_s,
         "model_flops_per_step": statistics.median(per_step.values()),
+        "flops_max_over_mean": imbalance,
         "mfu_steady_pct": None if steady_mfu is None else 100 * steady_mfu,
         "mfu_job_pct": job.mfu_pct if job else None,
         "ett_pct": report.ett_pct,
@@ -173,6 +181,7 @@ def main() -> None:
                     k: med(k)
                     for k in (
                         "median_step_s",
+                        "flops_max_over_mean",
                         "examples_per_s",
                         "mfu_steady_pct",
                         "mfu_job_pct",
@@ -190,14 +199,15 @@ def main() -> None:
     )
     print(
         "| processes | variant | median step (s) | examples/s | vs first row "
-        "| MFU steady % | MFU job % | ETT % | ETT x MFU % |"
+        "| busiest rank FLOPs / mean | MFU steady % | MFU job % | ETT % | ETT x MFU % |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for s in summary:
         print(
             f"| {s['nproc']} | {s['variant']} | {s['median_step_s']:.4f} "
             f"| {s['examples_per_s']:.0f} | {s['examples_per_s'] / base:.2f}x "
-            f"| {_pct(s['mfu_steady_pct'])} | {_pct(s['mfu_job_pct'])} "
+            f"| {s['flops_max_over_mean']:.3f} | {_pct(s['mfu_steady_pct'])} "
+            f"| {_pct(s['mfu_job_pct'])} "
             f"| {_pct(s['ett_pct'], 1)} | {_pct(s['ett_x_mfu_pct'])} |"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
