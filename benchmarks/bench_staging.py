@@ -165,20 +165,18 @@ def run(sizes: list[int], reps: int, device: str) -> list[dict[str, Any]]:
         ]
         plain = loop.plain(state, reps)
         for name, engine, close in engines:
+            row: dict[str, Any] = {"size_mb": mb, "engine": name, "device": device}
             try:
                 result = measure(engine, state, loop, reps)
-            finally:
-                close()
-            rows.append(
-                {
-                    "size_mb": mb,
-                    "engine": name,
-                    "device": device,
+                row |= {
                     "plain_step_s": plain,
                     "added_to_loop_s": result["save_plus_step_s"] - plain,
-                    **result,
                 }
-            )
+                rows.append(row | result)
+            except (RuntimeError, OSError) as exc:  # e.g. /dev/shm too small for DCP's buffers
+                rows.append(row | {"error": f"{type(exc).__name__}: {exc}"[:500]})
+            finally:
+                close()
         del state, loop
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -192,8 +190,12 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     )
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
+        if "error" in r:
+            print(f"| {r['size_mb']} MB | {r['engine']} | failed: {r['error'][:80]} | | | | |")
+            continue
         raw = next(x for x in rows if x["size_mb"] == r["size_mb"] and x["engine"] == "raw copy")
-        ratio = r["blocking_s"] / raw["blocking_s"] if raw["blocking_s"] else float("nan")
+        raw_s = raw.get("blocking_s")
+        ratio = r["blocking_s"] / raw_s if raw_s else float("nan")
         print(
             f"| {r['size_mb']} MB | {r['engine']} | {1e3 * r['blocking_s']:.2f} "
             f"| {1e3 * r['added_to_loop_s']:.2f} | {1e3 * r['landed_s']:.2f} | {ratio:.3f} "

@@ -15,6 +15,7 @@ default group (two threads must never share a group).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from infra.settings import JobConfig
 from trainer.model import RankingModel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,8 @@ def init_process_group(device: torch.device, backend: str, timeout_s: float = 60
     # always does); a group given another way gets a gloo group for them.
     cpu_group = None if "cpu" in backend_devices(backend) else dist.new_group(backend="gloo")
     data_group = dist.new_group(backend="gloo") if world_size > 1 else None
+    if dist.get_rank() == 0:
+        log.info("process group: %d rank(s) on %s, backend %s", world_size, device, backend)
     return DistEnv(
         rank=dist.get_rank(),
         world_size=world_size,
