@@ -14,10 +14,12 @@ a measured single-thread matmul peak (each rank runs one thread), cached per mac
 Variants (``--variants``) are named config overrides, run one after another for each
 process count and alternated between repeats (ABBA), so drift hits them alike; a variant
 that needs several ranks is skipped for one. ``--workload long_history`` uses long-tailed
-histories (cut at 512, mean 48) and 256-row batches, where per-rank attention work varies.
+histories (cut at 512, mean 48) and 256-row batches, where per-rank attention work varies
+(``long_history_b64``: 64-row batches, more so).
 
     .venv/bin/python benchmarks/bench_throughput.py [--steps 150] [--nproc 1,2]
-        [--variants default,unbalanced] [--workload demo|long_history] [--repeats 1]
+        [--variants default,unbalanced] [--workload demo|long_history|long_history_b64]
+        [--repeats 1]
 """
 
 from __future__ import annotations
@@ -66,6 +68,14 @@ WORKLOADS: dict[str, dict[str, dict[str, Any]]] = {
         "data": {
             "max_history_len": 512,
             "batch_size": 256,
+            "generator": {"rows": 200_000, "mean_history_len": 48.0},
+        }
+    },
+    # The same histories in 64-row batches: fewer rows per batch, more uneven work per rank.
+    "long_history_b64": {
+        "data": {
+            "max_history_len": 512,
+            "batch_size": 64,
             "generator": {"rows": 200_000, "mean_history_len": 48.0},
         }
     },
