@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -100,9 +101,12 @@ def raw_copy(device: str) -> Engine:
     return save
 
 
-def dcp_stager(device: str) -> tuple[Engine, Callable[[], None]]:
+def dcp_stager(device: str, mb: int) -> tuple[Engine, Callable[[], None]]:
+    """DCP's CUDA options; shared memory only where /dev/shm can hold the state (a full
+    /dev/shm kills the process with SIGBUS, which no except clause catches)."""
     gpu = device == "cuda"
-    stager = DefaultStager(StagingOptions(gpu, gpu, True, gpu))
+    shm = gpu and _shm_free() > 2 * mb * 2**20
+    stager = DefaultStager(StagingOptions(gpu, shm, True, gpu))
 
     def save(state: dict[str, torch.Tensor]) -> tuple[Callable[[], None], Callable[[], None]]:
         future = stager.stage(state)
@@ -110,6 +114,13 @@ def dcp_stager(device: str) -> tuple[Engine, Callable[[], None]]:
         return (lambda: None), (lambda: None)
 
     return save, stager.close
+
+
+def _shm_free() -> int:
+    try:
+        return shutil.disk_usage("/dev/shm").free
+    except OSError:
+        return 0
 
 
 def side_stream(snapshot: bool) -> tuple[Engine, Callable[[], None]]:
@@ -159,7 +170,7 @@ def run(sizes: list[int], reps: int, device: str) -> list[dict[str, Any]]:
         loop.plain(state, 2)  # warm-up
         engines: list[tuple[str, Engine, Callable[[], None]]] = [
             ("raw copy", raw_copy(device), lambda: None),
-            ("dcp DefaultStager", *dcp_stager(device)),
+            ("dcp DefaultStager", *dcp_stager(device, mb)),
             ("side_stream snapshot", *side_stream(True)),
             ("side_stream ordered", *side_stream(False)),
         ]
