@@ -106,11 +106,14 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     try:
         config = tiny_config(Path(out))
         flops = ModelFlops.of(config.data, config.model)
-        balancer = RankBalancer(None, rank, world, flops, CAPACITY)
+        balancer = RankBalancer(None, rank, world, flops, CAPACITY, min_excess=0.0)
         results = {}
         for index in (1, 2):
             batch = make_batch(10 * index + rank, CAPACITY if rank else CAPACITY - 7)
             results[index] = (batch, balancer(batch, index), balancer(batch, index))
+        # Even work already (the same batch on both ranks): nothing moves, by default.
+        even = make_batch(7, CAPACITY)
+        results["even"] = RankBalancer(None, rank, world, flops, CAPACITY)(even, 9) is even
         try:  # a rank one batch ahead of the other: both fail loudly
             balancer(make_batch(99, CAPACITY), 3 + rank)
             results["mismatch"] = "no error"
@@ -153,3 +156,4 @@ def test_two_ranks_exchange_rows_into_balanced_batches(tmp_path: Path) -> None:
         assert spread_after <= int(flops.of_lengths(lengths).max())
     for r in range(world):
         assert "different batches [3, 4]" in res[r]["mismatch"], res[r]["mismatch"]
+        assert res[r]["even"] is True
