@@ -12,7 +12,7 @@ TORCH_INDEX ?=
 PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint bench stack stack-down clean
+.PHONY: install demo test lint bench gpu-check stack stack-down clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ lint: install
 
 bench: install
 	$(BIN)/python benchmarks/run_all.py
+
+# On a GPU machine (<= 8 min); `make test` runs its --dry-run (tests/test_gpu_check.py).
+gpu-check: install
+	$(BIN)/python benchmarks/gpu_check.py
 
 stack: install
 	$(BIN)/ett stack up

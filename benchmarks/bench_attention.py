@@ -18,10 +18,14 @@ its peak (activations saved for backward, temporaries, gradients). The subproces
 MALLOC_MMAP_THRESHOLD_=65536 so glibc returns freed large blocks to the OS instead of
 keeping them in its heap, where the warm-up's freed memory would hide the measured peak.
 
-With CUDA: the same batch on the GPU in bf16, triton kernels vs padded SDPA (and the
-bucketed path), time via cuda synchronize, peak via torch.cuda.max_memory_allocated.
+With CUDA: the same batch on the GPU in bf16, the Triton kernels against padded SDPA,
+the bucketed path and torch.nested jagged SDPA (non-causal only: nested SDPA has no causal
+mode), each checked against the reference first; time via cuda synchronize, peak via
+torch.cuda.max_memory_allocated. ``--gpu-only`` runs just that (make gpu-check);
+``--dry-run`` runs the same device benchmark on a tiny batch on the CPU (Triton too when
+TRITON_INTERPRET=1 is set), to check the script without a GPU.
 
-    .venv/bin/python benchmarks/bench_attention.py [--reps 5 --threads 1]
+    .venv/bin/python benchmarks/bench_attention.py [--reps 5 --threads 1] [--gpu-only|--dry-run]
 
 Prints a markdown table and writes benchmarks/results/attention.json.
 Targets: cpu path >= 3x faster than the reference and <= 1/5 of its peak memory.
@@ -46,6 +50,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from trainer.attention import jagged_attention  # noqa: E402
 from trainer.attention.cpu import plan_buckets  # noqa: E402
@@ -95,9 +100,23 @@ def make_inputs(args, device: str = "cpu", dtype: torch.dtype = torch.float32):
     return lengths, q, k, v, offsets, g
 
 
+def nested_attention(q, k, v, offsets, causal: bool) -> torch.Tensor:
+    """torch.nested jagged-layout SDPA on the same jagged rows (non-causal only)."""
+
+    def nested(x: torch.Tensor) -> torch.Tensor:  # [total, heads, dim] -> [B, heads, j, dim]
+        return torch.nested.nested_tensor_from_jagged(x, offsets).transpose(1, 2)
+
+    if causal:
+        raise ValueError("torch.nested SDPA has no causal mode")
+    return F.scaled_dot_product_attention(nested(q), nested(k), nested(v)).transpose(1, 2).values()
+
+
 def fwd_bwd(impl: str, causal: bool, q, k, v, offsets, g) -> torch.Tensor:
     q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
-    out = jagged_attention(q, k, v, offsets, causal=causal, impl=impl)
+    if impl == "nested":
+        out = nested_attention(q, k, v, offsets, causal)
+    else:
+        out = jagged_attention(q, k, v, offsets, causal=causal, impl=impl)
     (out * g).sum().backward()
     return out.detach()
 
@@ -167,32 +186,70 @@ def measure_memory(args, impl: str, causal: bool) -> dict[str, float] | None:
 # ------------------------------------------------------------------ GPU
 
 
-def bench_gpu(args) -> list[dict]:
-    lengths, q, k, v, offsets, g = make_inputs(args, "cuda", torch.bfloat16)
+DEVICE_PATHS = ("triton", "reference", "cpu", "nested")
+
+
+def bench_device(args, device: str, dtype: torch.dtype, paths=DEVICE_PATHS) -> list[dict]:
+    """fwd+bwd of each path on ``device``: median wall time, peak memory (CUDA), and the
+    largest difference of its output from the reference's (checked before timing)."""
+    lengths, q, k, v, offsets, g = make_inputs(args, device, dtype)
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     rows = []
     for causal in (False, True):
-        for impl in ("triton", "reference", "cpu"):
-            fwd_bwd(impl, causal, q, k, v, offsets, g)  # warm-up / compile
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+        ref = fwd_bwd("reference", causal, q, k, v, offsets, g).float()
+        for impl in paths:
+            if impl == "nested" and causal:
+                continue
+            diff = (fwd_bwd(impl, causal, q, k, v, offsets, g).float() - ref).abs().max().item()
+            sync()
+            base = torch.cuda.memory_allocated() if cuda else 0
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             times = []
-            for _ in range(max(args.reps, 10)):
+            for _ in range(max(args.reps, 10) if cuda else args.reps):
                 t = time.perf_counter()
                 fwd_bwd(impl, causal, q, k, v, offsets, g)
-                torch.cuda.synchronize()
+                sync()
                 times.append(time.perf_counter() - t)
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
             rows.append(
                 {
                     "path": impl,
                     "causal": causal,
-                    "device": "cuda bf16",
+                    "device": f"{device} {str(dtype).removeprefix('torch.')}",
                     "wall_ms": 1e3 * statistics.median(times),
                     "peak_mib": peak,
+                    "max_abs_diff_vs_reference": diff,
                 }
             )
     return rows
+
+
+def bench_gpu(args) -> list[dict]:
+    return bench_device(args, "cuda", torch.bfloat16)
+
+
+def print_device_table(rows: list[dict]) -> None:
+    print("| path | device | causal | wall ms | peak MiB | vs reference | max abs diff |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        ref = _row(rows, "reference", r["causal"])
+        peak = "n/a" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}"
+        print(
+            f"| {r['path']} | {r['device']} | {r['causal']} | {r['wall_ms']:.2f} | {peak} "
+            f"| {ref['wall_ms'] / r['wall_ms']:.1f}x | {r['max_abs_diff_vs_reference']:.2e} |"
+        )
+
+
+def run_device_only(args, device: str, dtype: torch.dtype, paths) -> None:
+    """--gpu-only / --dry-run: the device benchmark alone, its table and its JSON."""
+    rows = bench_device(args, device, dtype, paths)
+    print_device_table(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    config = {k: getattr(args, k) for k in (*_WORKLOAD_ARGS, "reps")}
+    args.out.write_text(json.dumps({"config": config, "rows": rows}, indent=2))
+    print(f"\nwrote {args.out}")
 
 
 # ------------------------------------------------------------------ main
@@ -211,6 +268,8 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/attention.json")
+    ap.add_argument("--gpu-only", action="store_true", help="only the CUDA benchmark")
+    ap.add_argument("--dry-run", action="store_true", help="tiny batch, CPU, no timing claims")
     ap.add_argument("--measure-memory", choices=CPU_PATHS, help=argparse.SUPPRESS)
     ap.add_argument("--causal", type=int, default=0, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -256,6 +315,20 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     if args.measure_memory:
         print(json.dumps(measure_memory_here(args)))
+        return
+    if args.dry_run:
+        try:
+            from trainer.attention.triton_kernel import INTERPRETED
+        except ImportError:  # no triton: the other paths still run
+            INTERPRETED = False
+        args.batch, args.max_len, args.mean_len, args.reps = 12, 48, 8.0, 1
+        paths = DEVICE_PATHS if INTERPRETED else DEVICE_PATHS[1:]
+        run_device_only(args, "cpu", torch.float32, paths)
+        return
+    if args.gpu_only:
+        if not torch.cuda.is_available():
+            raise SystemExit("--gpu-only needs a CUDA device")
+        run_device_only(args, "cuda", torch.bfloat16, DEVICE_PATHS)
         return
 
     inputs = make_inputs(args)

@@ -77,11 +77,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     from infra import storage
     from infra.ett import report_for_job
     from infra.ett_report import format_table
+    from infra.mfu import mfu_for_job
 
     config = _config(args)
     storage.configure(config.storage)
     job_url = args.job if "://" in args.job else storage.join(config.storage.root, "jobs", args.job)
-    print(format_table(report_for_job(job_url)))
+    report = report_for_job(job_url)
+    print(format_table(report, mfu_for_job(job_url, report)))
     # --- ett report --log (MLflow owner: infra/tracking.py) ---
     if args.log:
         from mlflow.exceptions import MlflowException

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from infra.ett import BUCKETS, EttReport
+from infra.mfu import MfuReport
 
 COLORS = {
     "effective_training": "#2ca02c",
@@ -27,7 +28,23 @@ def _s(x: float | None, unit: str = "s") -> str:
     return "-" if x is None else f"{x:.3f} {unit}".rstrip()
 
 
-def _sections(r: EttReport) -> list[tuple[str, list[str], list[list[str]]]]:
+def _efficiency(m: MfuReport) -> list[list[str]]:
+    """MFU beside ETT (infra/mfu.py)."""
+    return [
+        ["MFU%", f"{m.mfu_pct:.2f}"],
+        ["ETT% x MFU (end-to-end)", f"{m.ett_x_mfu_pct:.3f}"],
+        [
+            "Achieved / peak per device",
+            f"{m.achieved_flops / 1e12:.4g} / {m.peak_flops / 1e12:.4g} TFLOP/s",
+        ],
+        ["Peak from", m.peak_source],
+        ["Model FLOPs (effective steps)", f"{m.model_flops:.4g} on {m.world_size} device(s)"],
+    ]
+
+
+def _sections(
+    r: EttReport, mfu: MfuReport | None = None
+) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) for every section, shared by the text and markdown renderers."""
     pct = r.bucket_pct()
     buckets = [[b, f"{r.buckets[b]:.3f}", f"{pct[b]:.2f}"] for b in BUCKETS]
@@ -85,7 +102,7 @@ def _sections(r: EttReport) -> list[tuple[str, list[str], list[list[str]]]]:
                 " > ".join(ib.critical_path),
             ]
         )
-    return [
+    sections = [
         ("Wall-time buckets", ["bucket", "seconds", "% of W"], buckets),
         ("L1 metrics", ["metric", "value"], headline),
         (
@@ -103,12 +120,15 @@ def _sections(r: EttReport) -> list[tuple[str, list[str], list[list[str]]]]:
         ),
         ("Startup sub-stages", ["attempt", "stage", "seconds", "critical path"], init),
     ]
+    if mfu is not None:
+        sections.insert(2, ("Model efficiency", ["metric", "value"], _efficiency(mfu)))
+    return sections
 
 
-def format_table(report: EttReport) -> str:
+def format_table(report: EttReport, mfu: MfuReport | None = None) -> str:
     """Plain-text tables for the terminal (times in seconds, from W's start)."""
     out: list[str] = []
-    for title, header, rows in _sections(report):
+    for title, header, rows in _sections(report, mfu):
         out.append(f"== {title} ==")
         if not rows:
             out.append("(none)")
@@ -121,7 +141,7 @@ def format_table(report: EttReport) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def to_markdown(report: EttReport) -> str:
+def to_markdown(report: EttReport, mfu: MfuReport | None = None) -> str:
     """Markdown for a Prefect artifact: a headline line, then one table per section."""
     out = [
         f"# ETT report: **{report.ett_pct:.1f}%** effective",
@@ -129,7 +149,7 @@ def to_markdown(report: EttReport) -> str:
         f"Wall time {report.wall_s:.1f} s; idleness {report.idleness_pct:.1f}%, "
         f"failure {report.failure_pct:.1f}%, {report.num_failures} failure(s).",
     ]
-    for title, header, rows in _sections(report):
+    for title, header, rows in _sections(report, mfu):
         out += ["", f"## {title}", ""]
         if not rows:
             out.append("_none_")

@@ -97,6 +97,7 @@ class Mark(StrEnum):
     CHECKPOINT_FAILED = "checkpoint_failed"
     ANCHOR_COMMITTED = "anchor_committed"
     RECOMPILE = "recompile"
+    MODEL_FLOPS = "model_flops"  # the device and dtype a step's ``flops`` attr ran on (MFU)
     JOB_END = "job_end"
     # Made by the reader, never written: this file's writer neither sealed it nor had its
     # spool recovered, so events after this instant (its last one) may be missing.

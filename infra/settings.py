@@ -105,6 +105,9 @@ class DataConfig(_Frozen):
     # file with a larger share of them fails the attempt (exit BAD_DATA): that is a broken
     # export, not noise, and training on the rest would be silently biased.
     max_bad_row_fraction: float = Field(default=0.01, ge=0, le=1)
+    # Re-deal each step's rows across ranks so their summed attention work is even
+    # (trainer/data/balance.py); no effect with one rank.
+    balance_ranks: bool = True
     generator: GeneratorConfig = GeneratorConfig()
 
     @model_validator(mode="after")

@@ -1,13 +1,21 @@
 """Process group, device and the sharded train module (DistributedModelParallel + optimizers).
 
 The trainer always runs in a process group, even alone (world size 1), so one code path
-covers a laptop run and a torchrun job across nodes: gloo on CPU, NCCL on GPU. Embedding
-tables are sharded by DistributedModelParallel and trained by TorchRec's fused optimizer
-(applied inside the backward pass); dense parameters use a regular optimizer.
+covers a laptop run and a torchrun job across nodes: gloo on CPU; on GPU the default group
+is ``cpu:gloo,cuda:nccl``, NCCL for CUDA tensors and gloo for CPU ones, because NCCL has no
+CPU implementation and the trainer does gather CPU tensors (evaluation, the preemption
+flag). Embedding tables are sharded by DistributedModelParallel and trained by TorchRec's
+fused optimizer (applied inside the backward pass); dense parameters use a regular optimizer.
+
+Groups (``DistEnv``): ``cpu_group`` for CPU-tensor collectives issued by the training
+thread; ``data_group``, a gloo group of its own for the data loader's rank balancing,
+whose first exchange can run on an init thread while the model is being sharded on the
+default group (two threads must never share a group).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -15,6 +23,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import BackendConfig
 from torchrec.distributed.model_parallel import DistributedModelParallel, get_default_sharders
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from torchrec.distributed.planner.types import ParameterConstraints
@@ -26,6 +35,8 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from infra.settings import JobConfig
 from trainer.model import RankingModel
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -35,7 +46,9 @@ class DistEnv:
     world_size: int
     local_rank: int
     device: torch.device
-    backend: str
+    backend: str  # the default group's backend string, e.g. "cpu:gloo,cuda:nccl"
+    cpu_group: dist.ProcessGroup | None = None  # CPU tensors, training thread (None: WORLD)
+    data_group: dist.ProcessGroup | None = None  # the loader's rank balancing (world > 1)
 
     @property
     def is_main(self) -> bool:
@@ -48,30 +61,60 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def process_group_backend(device: torch.device) -> str:
+    """The default group's backend string for a job computing on ``device``: on a GPU,
+    NCCL for CUDA tensors and gloo for CPU tensors (an NCCL-only group fails on them)."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def backend_devices(backend: str) -> dict[str, str]:
+    """Which backend serves which device type: "gloo" -> {cpu: gloo, cuda: gloo},
+    "nccl" -> {cuda: nccl}, "cpu:gloo,cuda:nccl" -> {cpu: gloo, cuda: nccl}."""
+    return dict(BackendConfig(dist.Backend(backend)).get_device_backend_map())
+
+
+def has_cpu_backend(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether collectives on CPU tensors can run on ``group`` (None: the default group)."""
+    return "cpu" in backend_devices(dist.get_backend_config(group))
+
+
 def select_device(backend_choice: str) -> tuple[torch.device, str]:
-    """GPU + NCCL when a GPU is present (unless gloo is forced), else CPU + gloo."""
+    """A GPU when one is present (unless gloo is forced), else the CPU; with the backend
+    string of the default group (``process_group_backend``)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available() and backend_choice != "gloo":
         torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank), "nccl"
+        device = torch.device("cuda", local_rank)
+        return device, process_group_backend(device)
     if backend_choice == "nccl":
         raise RuntimeError("train.backend=nccl needs a GPU, and none is visible")
-    return torch.device("cpu"), "gloo"
+    device = torch.device("cpu")
+    return device, process_group_backend(device)
 
 
 def init_process_group(device: torch.device, backend: str, timeout_s: float = 600) -> DistEnv:
-    """Join the job's process group (torchrun's env), or form a group of one when run alone."""
+    """Join the job's process group (torchrun's env), or form a group of one when run alone;
+    then the CPU-side groups (collective calls: every rank makes them in this order)."""
     if "RANK" not in os.environ:  # plain `python -m trainer`: a single-process job
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    world_size = dist.get_world_size()
+    # The default group serves CPU tensors whenever its backend string maps "cpu" (ours
+    # always does); a group given another way gets a gloo group for them.
+    cpu_group = None if "cpu" in backend_devices(backend) else dist.new_group(backend="gloo")
+    data_group = dist.new_group(backend="gloo") if world_size > 1 else None
+    if dist.get_rank() == 0:
+        log.info("process group: %d rank(s) on %s, backend %s", world_size, device, backend)
     return DistEnv(
         rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
+        world_size=world_size,
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         device=device,
         backend=backend,
+        cpu_group=cpu_group,
+        data_group=data_group,
     )
 
 

@@ -1,7 +1,9 @@
 """Holdout evaluation: AUC and log-loss over every rank's share of the holdout rows.
 
 Every rank evaluates the same number of batches (collectives inside the sharded model need
-it), then predictions are gathered so all ranks report the same numbers.
+it), then predictions are gathered so all ranks report the same numbers. They are gathered
+as CPU tensors, so on a group with a CPU backend (``DistEnv.cpu_group``): under NCCL alone
+this gather would fail.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from torch import nn
 from torchmetrics.functional.classification import binary_auroc
 
 from trainer.data.batch import Batch
+from trainer.distributed import has_cpu_backend
 from trainer.model import batch_to_kjts
 
 
@@ -37,17 +40,29 @@ def predict(model: nn.Module, batches: list[Batch], device: torch.device) -> tor
     return torch.cat(out) if out else torch.empty(0)
 
 
-def _gather(tensor: torch.Tensor) -> torch.Tensor:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def _gather(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's ``tensor`` (CPU, same shape on every rank), concatenated in rank order."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return tensor
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, tensor)
+    if not has_cpu_backend(group):
+        raise RuntimeError(
+            f"evaluation gathers CPU tensors, but its group's backend "
+            f"{dist.get_backend_config(group)!r} has none for CPU: pass DistEnv.cpu_group"
+        )
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor, group=group)
     return torch.cat(parts)
 
 
-def evaluate(model: nn.Module, batches: list[Batch], device: torch.device) -> dict[str, float]:
-    """Holdout AUC, log-loss and row count, identical on every rank."""
+def evaluate(
+    model: nn.Module,
+    batches: list[Batch],
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+) -> dict[str, float]:
+    """Holdout AUC, log-loss and row count, identical on every rank; ``group`` gathers the
+    CPU predictions (None: the default group, which must have a CPU backend)."""
     probs = predict(model, batches, device)
     labels = torch.cat([b.labels for b in batches]) if batches else torch.empty(0)
-    probs, labels = _gather(probs), _gather(labels)
+    probs, labels = _gather(probs, group), _gather(labels, group)
     return {**auc_and_logloss(probs, labels), "rows": float(labels.numel())}

@@ -52,6 +52,7 @@ from trainer.checkpoint.manifest import CheckpointError, rank_state_name
 from trainer.checkpoint.restore import candidates, check_compatible, restore
 from trainer.checkpoint.retention import purge_uncommitted
 from trainer.checkpoint.state import app_state, apply_loaded
+from trainer.data.balance import make_balancer
 from trainer.data.batch import Batch
 from trainer.data.loader import TrainLoader, holdout_batches
 from trainer.distributed import DistEnv, build_train_module, init_process_group, select_device
@@ -242,7 +243,13 @@ class Initializer:
 
     def preproc_creation(self, attrs: dict[str, Any]) -> None:
         cfg = self.config
-        self.loader = TrainLoader(cfg.data, self.env.rank, self.env.world_size, seed=cfg.train.seed)
+        self.loader = TrainLoader(
+            cfg.data,
+            self.env.rank,
+            self.env.world_size,
+            seed=cfg.train.seed,
+            balancer=make_balancer(cfg, self.env),
+        )
 
     def train_module_creation(self, attrs: dict[str, Any]) -> None:
         self.model, self.optimizer = build_train_module(self.config, self.env)

@@ -43,6 +43,7 @@ from trainer.consensus import StepConsensus
 from trainer.data.batch import Batch
 from trainer.data.loader import DataError
 from trainer.evaluation import evaluate
+from trainer.flops import record_model_flops
 from trainer.init_stages import Components, Initializer, StandbyReleased
 from trainer.model import batch_to_kjts
 from trainer.restart import InProcessRestart
@@ -192,6 +193,7 @@ def _train(
         policy.saved(time.perf_counter() - t0)
 
     consensus = StepConsensus(env.world_size, parts.control_group)
+    model_flops = record_model_flops(ledger, config, env.device, env.world_size)
     stats = LoopStats()
     step = last_saved = parts.start_step
     try:
@@ -215,6 +217,7 @@ def _train(
                     pending = None
                     loss = train_step(model, optimizer, batch, env.device)
                     attrs["loss"] = round(loss, 6)
+                    attrs["flops"] = model_flops.of_batch(batch.history_offsets)
             except (DataError, StandbyReleased):
                 raise
             except Exception as exc:  # noqa: BLE001 - recovered in place, or re-raised
@@ -252,8 +255,9 @@ def _train(
 
 
 def _evaluate(parts: Components, ledger: Ledger, stats: LoopStats, step: int) -> None:
+    env = parts.env
     with ledger.span(Span.EVAL, step=step) as attrs:
-        stats.last_eval = evaluate(parts.model, parts.holdout, parts.env.device)
+        stats.last_eval = evaluate(parts.model, parts.holdout, env.device, env.cpu_group)
         attrs.update(stats.last_eval)
     if parts.env.is_main:
         log.info("step %d holdout %s", step, _fmt(stats.last_eval))
@@ -273,7 +277,7 @@ def _shutdown(
     with ledger.span(Span.SHUTDOWN, step=step):
         just_evaluated = stats.last_eval and step % max(config.train.eval_every, 1) == 0
         if eval_mode == EvalMode.INLINE and not just_evaluated:
-            stats.last_eval = evaluate(parts.model, parts.holdout, env.device)
+            stats.last_eval = evaluate(parts.model, parts.holdout, env.device, env.cpu_group)
         # Else the anchor was saved already.
         if config.checkpoint.mode != CheckpointMode.OFF and step > parts.start_step:
             checkpointer.save(step, snapshot, anchor=True)

@@ -46,20 +46,28 @@ TOL = 1e-5
 HEADS, DIM = 2, 16
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-# (lengths, causal, block size or None for the defaults); 16-row blocks make the 17- and
-# 35-long sequences span several query and key blocks.
+# name -> (lengths, causal, (block_m, block_n) or None for the defaults, head dim, dtype);
+# 16-row blocks make the 17- and 35-long sequences span several query and key blocks;
+# a head dim of 24 runs with 32-wide blocks (masked columns), unequal blocks move the
+# causal bounds of the key loops off the query blocks' edges.
 LENGTHS = [0, 1, 3, 17, 0, 35, 2, 1]
 TRITON_CASES = {
-    "noncausal_b16": (LENGTHS, False, 16),
-    "causal_b16": (LENGTHS, True, 16),
-    "causal_default_blocks": ([5, 0, 33, 1], True, None),
+    "noncausal_b16": (LENGTHS, False, (16, 16), DIM, torch.float32),
+    "causal_b16": (LENGTHS, True, (16, 16), DIM, torch.float32),
+    "causal_default_blocks": ([5, 0, 33, 1], True, None, DIM, torch.float32),
     "random_noncausal_default_blocks": (
         torch.randint(0, 48, (6,), generator=torch.Generator().manual_seed(7)).tolist() + [1, 0],
         False,
         None,
+        DIM,
+        torch.float32,
     ),
-    "only_empty_and_one": ([0, 1, 0], False, None),
+    "only_empty_and_one": ([0, 1, 0], False, None, DIM, torch.float32),
+    "dim24_causal_b32x16": (LENGTHS, True, (32, 16), 24, torch.float32),
+    "dim24_noncausal_b16x32": (LENGTHS, False, (16, 32), 24, torch.float32),
+    "fp16_causal_b16": (LENGTHS, True, (16, 16), DIM, torch.float16),
 }
+FP16_TOL = 5e-3  # fp16 inputs and outputs (fp32 accumulation) against fp32 on the same inputs
 
 
 def make_inputs(lengths: list[int], heads: int = HEADS, dim: int = DIM, seed: int = 0):
@@ -204,8 +212,11 @@ def test_matches_fbgemm_jagged_flash_attention_basic(impl: str) -> None:
 
 
 def triton_inputs(name: str):
-    lengths, causal, block = TRITON_CASES[name]
-    return causal, block, make_inputs(lengths, seed=len(name))
+    """(causal, blocks, dtype, inputs); fp16 inputs are fp32 values rounded to fp16."""
+    lengths, causal, blocks, dim, dtype = TRITON_CASES[name]
+    q, k, v, offsets, grad = make_inputs(lengths, dim=dim, seed=len(name))
+    q, k, v, grad = (x.to(dtype) for x in (q, k, v, grad))
+    return causal, blocks, dtype, (q, k, v, offsets, grad)
 
 
 def _interpreted_triton_results(path: str) -> None:
@@ -215,12 +226,12 @@ def _interpreted_triton_results(path: str) -> None:
     assert triton_kernel.INTERPRETED, "TRITON_INTERPRET=1 was not set before triton loaded"
     results = {}
     for name in TRITON_CASES:
-        causal, block, inputs = triton_inputs(name)
-        if block is None:  # public entry point, default block sizes, non-contiguous q, k, v
+        causal, blocks, _, inputs = triton_inputs(name)
+        if blocks is None:  # public entry point, default block sizes, non-contiguous q, k, v
             fn = strided(impl_fn("triton", causal))
         else:
-            fn = lambda q, k, v, off, c=causal, b=block: triton_kernel.triton_jagged_attention(  # noqa: E731
-                q, k, v, off, c, block_m=b, block_n=b
+            fn = lambda q, k, v, off, c=causal, b=blocks: triton_kernel.triton_jagged_attention(  # noqa: E731
+                q, k, v, off, c, block_m=b[0], block_n=b[1]
             )
         results[name] = run(fn, *inputs)
     torch.save(results, path)
@@ -248,15 +259,19 @@ def triton_results(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("other", ["reference", "cpu"])
 @pytest.mark.parametrize("case", list(TRITON_CASES))
 def test_triton_interpreted_matches(triton_results, case: str, other: str) -> None:
-    causal, _, inputs = triton_inputs(case)
-    diffs = max_diffs(triton_results[case], run(impl_fn(other, causal), *inputs))
+    causal, _, dtype, inputs = triton_inputs(case)
+    ours = triton_results[case]
+    assert all(t.dtype == dtype for t in ours.values())
+    fp32 = [x.float() if x.is_floating_point() else x for x in inputs]
+    diffs = max_diffs({k: t.float() for k, t in ours.items()}, run(impl_fn(other, causal), *fp32))
+    tol = TOL if dtype == torch.float32 else FP16_TOL
     for key, diff in diffs.items():
-        assert diff <= TOL, (key, diff)
+        assert diff <= tol, (key, diff)
 
 
 def test_triton_interpreted_matches_fbgemm(triton_results) -> None:
     pytest.importorskip("fbgemm_gpu")
-    _, _, inputs = triton_inputs("noncausal_b16")
+    _, _, _, inputs = triton_inputs("noncausal_b16")
     for key, diff in max_diffs(triton_results["noncausal_b16"], run(fbgemm_fn, *inputs)).items():
         assert diff <= TOL, (key, diff)
 
@@ -324,6 +339,7 @@ def test_triton_kernels_compile_for_hopper_without_a_gpu() -> None:
         assert compiled.asm.get("cubin"), kernel.fn.__name__
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
@@ -339,6 +355,26 @@ def test_triton_on_cuda_matches_reference(dtype: torch.dtype, causal: bool) -> N
     ref = run(impl_fn("reference", causal), q, k, v, offsets, grad)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     for key, diff in max_diffs(tri, ref).items():
+        assert diff <= tol, (key, diff)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_on_cuda_matches_bucketed_path(dtype: torch.dtype, causal: bool) -> None:
+    """The bucketed path is device-agnostic torch: on the GPU too it must agree."""
+    from trainer.attention import triton_kernel
+
+    if triton_kernel.INTERPRETED:
+        pytest.skip("this process runs triton interpreted")
+    lengths = torch.randint(0, 300, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    q, k, v, offsets, grad = (x.cuda() for x in make_inputs([1, 0, *lengths], heads=2, dim=32))
+    q, k, v, grad = (x.to(dtype) for x in (q, k, v, grad))
+    tri = run(impl_fn("triton", causal), q, k, v, offsets, grad)
+    bucketed = run(impl_fn("cpu", causal), q, k, v, offsets, grad)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for key, diff in max_diffs(tri, bucketed).items():
         assert diff <= tol, (key, diff)
 
 

@@ -22,7 +22,7 @@ import json
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -464,6 +464,7 @@ class TrainLoader:
         seed: int,
         prefetch: int = 2,
         window_rows: int = 65_536,
+        balancer: Callable[[Batch, int], Batch] | None = None,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(
@@ -474,6 +475,7 @@ class TrainLoader:
         check_meta(data)
         self.data, self.rank, self.world_size, self.seed = data, rank, world_size, seed
         self.prefetch, self.window_rows = prefetch, window_rows
+        self.balancer = balancer  # re-deals each batch's rows across ranks (data/balance.py)
         self.all_shards = list_shards(data, "train")
         self.shards = self.all_shards[rank::world_size]
         if not self.shards:
@@ -634,6 +636,8 @@ class TrainLoader:
         self.stats["batches"] += 1
         for key, value in deltas.items():
             self.stats[key] += value
+        if self.balancer is not None:  # on this thread: one exchange per batch taken
+            batch = self.balancer(batch, self.stats["batches"])
         return batch
 
     def close(self) -> None:
