@@ -42,13 +42,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from tasks.launch import kill_group, torchrun_command  # noqa: E402
 
 from infra import storage  # noqa: E402
 from infra.ett import report_for_job  # noqa: E402
 from infra.ledger import Mark, read_events  # noqa: E402
 from infra.mfu import mfu_for_job  # noqa: E402
+from infra.processes import terminate_tree  # noqa: E402
 from infra.settings import dump_config, load_config  # noqa: E402
+from tasks.attempts import LaunchSpec  # noqa: E402
 
 # Seconds per part: together within the 8-minute budget, with room for start-up.
 LIMITS = {"gpu_tests": 120, "nccl_training": 210, "attention": 60, "staging": 60}
@@ -75,7 +76,7 @@ def run_part(
         out, _ = proc.communicate(timeout=timeout)
         code = proc.returncode
     except subprocess.TimeoutExpired:
-        kill_group(proc)
+        terminate_tree(proc.pid, grace_s=5.0, reap=proc.poll)
         out, _ = proc.communicate()
         code = None
     return {
@@ -142,7 +143,7 @@ def nccl_training(dry: bool, out: Path, steps: int) -> dict[str, Any]:
     dump_config(config, path)
     env = {"OMP_NUM_THREADS": "1"} if dry else {}
     backend = f"backend {'gloo' if dry else 'cpu:gloo,cuda:nccl'}"
-    cmd = torchrun_command(str(path), nproc=1)
+    cmd = LaunchSpec(str(path)).commands(0, "gpu-check")[0]
     res = run_part(cmd, LIMITS["nccl_training"], env, grep=(backend,))
     storage.configure(config.storage)
     events = read_events(config.job_url)

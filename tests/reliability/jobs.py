@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import time
@@ -20,10 +19,8 @@ from typing import Any
 
 from infra import processes, storage
 from infra.settings import JobConfig, dump_config
-from tests.factories import ROOT, tiny_config
+from tests.factories import ROOT, tiny_config, trainer_command
 from trainer.checkpoint.manifest import checkpoints_url, step_dir_name
-
-_WORKER_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
 
 
 def job_config(tmp_path: Path, data_url: str, steps: int, **sections: Any) -> JobConfig:
@@ -53,8 +50,6 @@ class Trainer:
     def __init__(
         self, config: JobConfig, tmp_path: Path, nproc: int = 1, env: dict[str, str] | None = None
     ) -> None:
-        from tasks.launch import torchrun_command
-
         self.name = f"{config.job_id}-{uuid.uuid4().hex[:6]}"
         path = tmp_path / f"{self.name}.yaml"
         self.config_path = str(path)
@@ -63,7 +58,7 @@ class Trainer:
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
-                torchrun_command(str(path), nproc=nproc),
+                trainer_command(path, nproc=nproc),
                 env=full_env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -78,13 +73,8 @@ class Trainer:
         return self.output()[-chars:]
 
     def wait(self, timeout: float = 300) -> int:
-        """The trainer's own exit code (torchrun exits 1 and names the worker's code)."""
-        code = self.proc.wait(timeout=timeout)
-        if code == 0:
-            return 0
-        out = self.output()
-        found = _WORKER_EXIT.findall(out.rsplit("Root Cause", 1)[-1])  # the first failure
-        return int(found[0]) if found else code
+        """The trainer's own exit code: the launcher exits with the first failed rank's."""
+        return self.proc.wait(timeout=timeout)
 
     def wait_until(self, what: str, check: Callable[[], bool], timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout

@@ -2,7 +2,7 @@
 
 A real ``mlflow server`` (SQLite backend, artifacts in the session's moto S3) that the test
 stops and starts again on the same port, a real Prefect server running the ``train`` flow in
-this process, and the fake trainer (tests/flows/fake_trainer.py) behind a gate that holds each
+this process, and the fake trainer (tests/fake_trainer.py) behind a gate that holds each
 attempt until the test has changed the server's state:
 
 - stopped mid-job: the job's run exists, MLflow stops, attempt 0 crashes (its log fails),
@@ -15,6 +15,7 @@ attempt until the test has changed the server's state:
 from __future__ import annotations
 
 import contextvars
+import functools
 import os
 import subprocess
 import sys
@@ -30,11 +31,12 @@ from mlflow import MlflowClient
 import flows.train_flow as train_module
 from infra import stack
 from infra.settings import JobConfig, dump_config
+from tasks.attempts import LaunchSpec
 from tests.factories import ROOT, tiny_config
 
 pytestmark = pytest.mark.slow
 
-FAKE = ROOT / "tests" / "flows" / "fake_trainer.py"
+FAKE = ROOT / "tests" / "fake_trainer.py"
 EXPERIMENT = "mlflow-outage"
 WAIT_S = 240.0  # a guard against a stuck flow, not a measurement
 BOOT_TIMEOUT_S = 240.0  # 2 shared cores: an MLflow server takes 15-30 s to boot here
@@ -92,11 +94,8 @@ def gated_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     gate.mkdir()
     script = tmp_path / "gate.py"
     script.write_text(GATE)
-    monkeypatch.setattr(
-        train_module,
-        "torchrun_command",
-        lambda path, nproc=1: [sys.executable, str(script), str(gate), str(FAKE), "--config", path],
-    )
+    gated = functools.partial(LaunchSpec, launcher=(str(script), str(gate), str(FAKE)))
+    monkeypatch.setattr(train_module, "LaunchSpec", gated)
     return gate
 
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tasks.launch import torchrun_command
 
 from infra.settings import dump_config
+from tasks.attempts import LaunchSpec
 from tests.factories import ROOT, tiny_config, write_dataset
 from trainer.distributed import backend_devices, process_group_backend
 
@@ -57,8 +57,8 @@ def test_trainer_collectives_are_routed_to_a_backend_for_their_device(tmp_path: 
     write_dataset(config)
     path = tmp_path / "routing.yaml"
     dump_config(config, path)
-    command = torchrun_command(str(path), nproc=2)
-    command[command.index("trainer")] = "tests.trainer.collective_routing"
+    program = ("-m", "tests.trainer.collective_routing")  # the trainer, with collectives logged
+    command = LaunchSpec(str(path), nproc=2, program=program).commands(0, "routing")[0]
     logs = tmp_path / "collectives"
     logs.mkdir()
     env = {
