@@ -155,7 +155,7 @@ def _run_attempt(config: JobConfig, rank: int, control: RankControl | None) -> i
         log.error("cannot resume: %s", exc)
         code = ExitCode.CHECKPOINT_INCOMPATIBLE
     except DataError as exc:
-        log.error("bad training data: %s", exc)
+        log.error("bad data: %s", exc)
         code = ExitCode.BAD_DATA
     finally:
         ledger_saved = ledger.close()
