@@ -44,7 +44,10 @@ GATE = """
 import os, pathlib, sys, time
 gate, attempt = pathlib.Path(sys.argv[1]), os.environ["ETT_ATTEMPT"]
 (gate / f"waiting-{attempt}").touch()
+parent = os.getppid()
 while not (gate / f"go-{attempt}").exists():
+    if os.getppid() != parent:  # the orchestrator is gone: never outlive it
+        sys.exit(1)
     time.sleep(0.05)
 os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
 """
@@ -188,7 +191,9 @@ def test_mlflow_stopped_mid_job_and_restarted(
     flow = FlowThread(path)
     flow.start()
     _wait_for("attempt 0 to start", (gated_trainer / "waiting-0").exists)
-    (run_before,) = _job_runs(client, config.job_id)  # the run was made while MLflow was up
+    # The run is made while MLflow is up, beside the first attempt's start.
+    _wait_for("the job's MLflow run", lambda: len(_job_runs(client, config.job_id)) == 1)
+    (run_before,) = _job_runs(client, config.job_id)
 
     mlflow_ctl.stop()
     (gated_trainer / "go-0").touch()  # attempt 0 crashes at step 8; MLflow is down
