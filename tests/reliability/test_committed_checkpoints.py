@@ -33,10 +33,11 @@ def _commits(job_url: str, step: int) -> list[tuple[int, int]]:
 
 
 def test_sigterm_at_committed_step_does_not_rewrite_it(tmp_path: Path, data_url: str) -> None:
-    """Two ranks, every_steps: 5, SIGTERM at step 5: the periodic save commits step 5, the
-    save on SIGTERM finds it committed (both ranks agree) and writes nothing."""
+    """Two ranks, every_steps: 5, SIGTERM during step 4: the ranks agree to stop one step
+    later (trainer/consensus.py), after step 5, which the periodic save has just committed;
+    the save on SIGTERM finds it committed (both ranks agree) and writes nothing."""
     config = job_config(
-        tmp_path, data_url, steps=20, faults=[{"kind": "sigterm", "step": 5, "attempt": 0}]
+        tmp_path, data_url, steps=20, faults=[{"kind": "sigterm", "step": 4, "attempt": 0}]
     )
     code, out = run_to_end(config, tmp_path, nproc=2)
     assert code == ExitCode.PREEMPTED, out[-3000:]

@@ -231,7 +231,7 @@ def test_a_ledger_that_cannot_be_stored_fails_the_attempt(
         )
 
         def cut(progress: Progress) -> None:
-            if progress.step == 10:
+            if progress.step >= 10 and not proxy.is_down:  # progress is sampled: >=, once
                 proxy.go_down()
 
         env = {"AWS_ENDPOINT_URL_S3": proxy.url, "AWS_MAX_ATTEMPTS": "1"}
@@ -241,13 +241,12 @@ def test_a_ledger_that_cannot_be_stored_fails_the_attempt(
         proxy.close()
     assert (report.outcome, report.exit_code) == (Outcome.CRASH, ExitCode.LEDGER_NOT_SAVED)
 
-    events = [e for e in read_events(config.job_url) if e.name != "ledger_incomplete"]
-    assert not any(e.name == "job_end" for e in events)  # cut off with S3
-    (url,) = recover_orphaned_spools(config.job_url)  # S3 back (direct): the spool goes up
+    # The orchestrator, on the same node and still reaching S3 directly, recovered the dead
+    # trainer's spool as soon as the attempt ended: every event is stored, nothing is left.
     events = [e for e in read_events(config.job_url) if e.attempt == 0 and e.rank == 0]
     steps = [e.step for e in events if e.name == "train_step"]
     assert steps == list(range(1, STEPS + 1)) and any(e.name == "job_end" for e in events)
-    assert url.endswith("trainer-attempt000-rank000.jsonl")
+    assert recover_orphaned_spools(config.job_url) == []
 
 
 def test_the_anchor_comes_from_the_committed_manifests_not_the_ledger(tmp_path: Path) -> None:
