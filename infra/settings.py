@@ -38,8 +38,7 @@ class StorageConfig(_Frozen):
     # Credentials come from the standard AWS environment unless given here; never persisted.
     s3_access_key_id: SecretStr | None = None
     s3_secret_access_key: SecretStr | None = None
-    retries: int = Field(default=4, ge=0, le=20)
-    retry_backoff_s: float = Field(default=0.5, gt=0, le=60)
+    retries: int = Field(default=4, ge=0, le=20)  # botocore's retries per S3 request
 
 
 class GeneratorConfig(_Frozen):
