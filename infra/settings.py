@@ -3,7 +3,11 @@
 Every process of a job (the Prefect flow, each torchrun rank, the publisher) reads the same
 file, so the config is the contract between them. Values are checked on load: a bad value is
 rejected with a message naming the field and what it accepts, before any work is started.
-Environment variables override the file: ``ETT_TRAIN__STEPS=50`` sets ``train.steps``.
+
+Precedence, highest first: explicit overrides (a flow's ``overrides`` parameter: what a
+deployment run asks for), ETT_* environment variables (``ETT_TRAIN__STEPS=50`` sets
+``train.steps``: what the machine or worker says), the config file, the defaults. The ranks
+of a job load the resolved config (``load_resolved``), so they see what the flow saw.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import hashlib
 import json
 import os
 import tomllib
+from contextvars import ContextVar
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
@@ -182,6 +187,19 @@ def _load_file(path: Path) -> dict[str, Any]:
     return data
 
 
+_file_values: ContextVar[dict[str, Any] | None] = ContextVar("_file_values", default=None)
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    """The config file's values, as a settings source ranked below the environment."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ hands over the whole mapping
+
+    def __call__(self) -> dict[str, Any]:
+        return _file_values.get() or {}
+
+
 class JobConfig(BaseSettings):
     """Everything one training job needs; see configs/demo.yaml for a documented example."""
 
@@ -207,9 +225,9 @@ class JobConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # The environment wins over the file (passed as init kwargs): operators override a
-        # checked-in config per run without editing it.
-        return env_settings, init_settings
+        # Overrides (init kwargs) > environment > file: operators override a checked-in
+        # config per machine without editing it, and a run's parameters override both.
+        return init_settings, env_settings, _FileSource(settings_cls)
 
     @property
     def job_url(self) -> str:
@@ -245,20 +263,29 @@ def _format_errors(exc: ValidationError, source: str) -> str:
 def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> JobConfig:
     """Load a job config from a YAML/TOML file (or the embedded defaults when None).
 
-    ``overrides`` are nested dicts merged over the file, e.g. ``train={"steps": 10}``;
-    ETT_* environment variables win over both. Raises ConfigError naming each bad field.
+    ``overrides`` are nested dicts merged over the rest, e.g. ``train={"steps": 10}``; they
+    win over ETT_* environment variables, which win over the file. Raises ConfigError
+    naming each bad field.
     """
     data: dict[str, Any] = _load_file(Path(path)) if path is not None else {}
     source = str(path) if path is not None else "embedded defaults"
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(data.get(key), dict):
-            data[key] = {**data[key], **value}
-        else:
-            data[key] = value
+    token = _file_values.set(data)
     try:
-        return JobConfig(**data)
+        return JobConfig(**overrides)
     except ValidationError as exc:
         raise ConfigError(_format_errors(exc, source)) from None
+    finally:
+        _file_values.reset(token)
+
+
+def load_resolved(path: str | os.PathLike[str]) -> JobConfig:
+    """A config that ``dump_config`` wrote for the processes of one job (the torchrun ranks).
+    It was resolved already, environment included, so its values win over ETT_* variables;
+    those only fill what it leaves out: credentials, which are never written to it."""
+    try:
+        return JobConfig(**_load_file(Path(path)))
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, str(path))) from None
 
 
 def dump_config(config: JobConfig, path: str | os.PathLike[str]) -> None:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from infra import storage
 from infra.exit_codes import ExitCode
 from infra.ledger import Ledger, ledger_url
-from infra.settings import CheckpointMode, ConfigError, JobConfig, load_config
+from infra.settings import CheckpointMode, ConfigError, JobConfig, load_config, load_resolved
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.manifest import CheckpointError
 from trainer.checkpoint.state import app_state
@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         force=True,  # an imported library may have configured logging already
     )
     try:
-        config = load_config(args.config)
+        # The launcher resolved the config (parameters > ETT_* > file): it is final here.
+        config = load_resolved(args.config) if args.config else load_config()
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return ExitCode.USAGE
