@@ -3,14 +3,14 @@
 Idempotency: every version carries ``anchor_key`` (anchor URI + manifest checksum). A
 publish first searches for it; a version whose ``publish_status`` is ``complete`` means the
 anchor is published and nothing is done. A version left incomplete (a publisher died between
-creating it and setting its aliases) is completed, not duplicated. Two publishers racing on
-one anchor both create a version, see each other, and the higher version deletes itself.
+creating it and setting its aliases) is completed, not duplicated. Two publishers never race
+on one anchor: the ``publish`` deployment runs one flow run at a time (a concurrency limit
+with the ENQUEUE strategy in prefect.yaml), so the next one finds the version complete.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 KEY_TAG, STATUS_TAG, COMPLETE = "anchor_key", "publish_status", "complete"
+REGISTRATION_TIMEOUT_S = 300
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def register(
 ) -> tuple[ModelVersion, bool]:
     """Create (or complete) the version for this anchor, set aliases, mark it complete.
 
-    Returns (version, created): ``created`` is False when another publisher got there first.
+    Returns (version, created): ``created`` is False when the anchor was published already.
     """
     ensure_registered_model(client, name)
     existing = versions_for_key(client, name, key)
@@ -138,41 +139,12 @@ def register(
                 run_id=run_id,
                 tags=all_tags,
                 model_id=model_id,
+                await_creation_for=REGISTRATION_TIMEOUT_S,  # MLflow waits until READY
             )
         except MlflowException as exc:
             raise PublishError(f"registering {name} failed: {exc.message}") from exc
-        _wait_ready(client, name, version.version)
-        first = versions_for_key(client, name, key)[0]
-        if first.version != version.version:  # lost a race: keep the older version
-            client.delete_model_version(name, version.version)
-            return published_or_wait(client, name, key, first), False
     client.set_registered_model_alias(name, CANDIDATE, version.version)
     if promote:
         client.set_registered_model_alias(name, CHAMPION, version.version)
     client.set_model_version_tag(name, version.version, STATUS_TAG, COMPLETE)
     return client.get_model_version(name, version.version), True
-
-
-def published_or_wait(
-    client: MlflowClient, name: str, key: str, version: ModelVersion, timeout_s: float = 60.0
-) -> ModelVersion:
-    """The winner of a race, once it has completed (or as it is, after ``timeout_s``)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        current = client.get_model_version(name, version.version)
-        if current.tags.get(STATUS_TAG) == COMPLETE:
-            return current
-        time.sleep(0.5)
-    return client.get_model_version(name, version.version)
-
-
-def _wait_ready(client: MlflowClient, name: str, version: str, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = client.get_model_version(name, version).status
-        if status == "READY":
-            return
-        if status == "FAILED_REGISTRATION":
-            raise PublishError(f"MLflow failed to register {name} version {version}")
-        time.sleep(0.2)
-    raise PublishError(f"{name} version {version} not READY after {timeout_s:.0f} s")
