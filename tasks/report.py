@@ -1,4 +1,4 @@
-"""Prefect tasks for the ETT accounting of a job: MLflow run, attempts, report, fleet view.
+"""Prefect tasks for the ETT accounting of a job: MLflow run, attempts, report.
 
 Tracking is best effort on the training path: an MLflow outage must never stop or fail a
 training job (its ledger keeps every number; the report can be logged again later with
@@ -8,7 +8,6 @@ training job (its ledger keeps every number; the report can be logged again late
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 from prefect import task
@@ -97,25 +96,4 @@ def report_job(
         "time_to_start_s": report.time_to_start_s,
         "time_to_recover_s": [f.time_to_recover_s for f in report.failures],
         "finished": report.finished,
-    }
-
-
-@task(name="fleet-report", cache_policy=NO_CACHE)
-def fleet_report(tracking_uri: str, experiment: str, out_dir: str) -> dict[str, Any]:
-    """The fleet view of an experiment as a Prefect markdown artifact (+ files in out_dir)."""
-    from infra import fleet
-
-    summary = fleet.fleet_summary(tracking_uri, experiment, Path(out_dir))
-    logger().info("%s", fleet.format_fleet(summary))
-    create_markdown_artifact(
-        markdown=fleet.to_markdown(summary),
-        key=artifact_key("ett-fleet", experiment),
-        description=f"Fleet ETT of experiment {experiment}: {len(summary.jobs)} job(s)",
-    )
-    return {
-        "jobs": len(summary.jobs),
-        "in_progress": list(summary.in_progress),
-        "regressions": [r.message for r in summary.regressions],
-        "fleet_ett_pct": summary.stats["totals"]["fleet_ett_pct"],
-        "files": summary.files,
     }
