@@ -32,11 +32,13 @@ from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.states import Failed, State
 
 from infra import processes, storage
 from infra.exit_codes import ExitCode
 from infra.ledger import Event, Ledger, ledger_url, read_events
 from infra.settings import JobConfig, dump_config, load_config
+from tasks.attempt_output import OutputLevels
 from tasks.launch import run_attempt
 from tasks.logs import logger
 
@@ -122,12 +124,14 @@ class _Watcher:
     last_step: int | None = None
     total_steps: int | None = None
     worker_codes: list[int] = field(default_factory=list)
+    levels: OutputLevels = field(default_factory=OutputLevels)  # torchrun's traceback: DEBUG
 
     def __call__(self, line: str) -> None:
         text = line.rstrip()
         if not text:
             return
-        self.log.info("%s", text)
+        for level, held in self.levels.feed(text):
+            self.log.log(level, "%s", held)
         m = _STEP.search(text)
         if m:
             self.last_step, self.total_steps = int(m.group(1)), int(m.group(2))
@@ -236,6 +240,8 @@ def launch_attempt(
                 stopped_pids=stopped,
             )
             raise
+        for level, held in watcher.levels.flush():
+            log.log(level, "%s", held)
         outcome = classify(result.exit_code, watcher.worker_codes, result.hung)
         events = _attempt_events(job_url, attempt)
         starts = [
@@ -286,11 +292,13 @@ def attempt_task(
     env: dict[str, str] | None = None,
     on_step: Callable[[int, int], None] | None = None,
     scheduling: tuple[float, float] | None = None,
-) -> AttemptReport:
-    """One attempt as a Prefect task: Completed on success, Failed (AttemptFailed) otherwise."""
+) -> AttemptReport | State:
+    """One attempt as a Prefect task: Completed on success, Failed (holding AttemptFailed)
+    otherwise. The Failed state is returned, not raised: a failed attempt is an outcome the
+    flow handles, and a raised one would print our own raise as a traceback in the log."""
     report = launch_attempt(job_url, command, attempt, hang_timeout_s, env, on_step, scheduling)
     if report.failed:
-        raise AttemptFailed(report)
+        return Failed(message=report.describe(), data=AttemptFailed(report))
     return report
 
 

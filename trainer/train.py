@@ -24,6 +24,7 @@ import torch.distributed as dist
 from infra import storage
 from infra.exit_codes import ExitCode
 from infra.ledger import Ledger, ledger_url
+from infra.library_logs import quiet_library_dumps
 from infra.settings import CheckpointMode, ConfigError, JobConfig, load_config, load_resolved
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.manifest import CheckpointError
@@ -250,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stdout,
         force=True,  # an imported library may have configured logging already
     )
+    quiet_library_dumps()  # TorchRec's planner report, FBGEMM's table dumps: DEBUG
     try:
         # The launcher resolved the config (parameters > ETT_* > file): it is final here.
         config = load_resolved(args.config) if args.config else load_config()

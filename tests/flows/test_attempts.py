@@ -59,6 +59,9 @@ def test_watcher_reads_torchrun_summary_and_steps() -> None:
         def info(self, fmt: str, *args: object) -> None:
             lines.append(fmt % args)
 
+        def log(self, level: int, fmt: str, *args: object) -> None:
+            lines.append(fmt % args)
+
         debug = info
 
     seen: list[tuple[int, int]] = []
