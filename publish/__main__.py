@@ -55,12 +55,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.allow_non_anchor:
         overrides["require_anchor"] = False
-    from publish.pipeline import publish  # heavy imports (torch, mlflow) after parsing
+    from infra import progress
+    from publish.pipeline import STAGES, publish  # heavy imports (torch, mlflow) after parsing
 
     try:
         # stdout carries only the JSON result (MLflow prints run links there).
-        with contextlib.redirect_stdout(sys.stderr):
-            result = publish(args.uri, args.step, args.job_id, args.mlflow_run_id, overrides)
+        with (
+            contextlib.redirect_stdout(sys.stderr),
+            progress.stages([name for name, _ in STAGES], "publishing") as enter,
+        ):
+            result = publish(
+                args.uri, args.step, args.job_id, args.mlflow_run_id, overrides, on_stage=enter
+            )
     except PublishError as exc:
         print(f"publish refused: {exc}", file=sys.stderr)
         return ExitCode.REFUSED
