@@ -17,12 +17,12 @@ import tempfile
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from flows import PROJECT_LOGGERS
 from infra.exit_codes import ExitCode
 from infra.library_logs import quiet_library_dumps
 from infra.settings import ConfigError, JobConfig, dump_config, load_config
 
 log = logging.getLogger("ett")
-OUR_LOGGERS = ("ett", "flows", "tasks", "infra", "publish", "trainer")
 
 
 class UserError(Exception):
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s: %(message)s",
     )
-    for name in OUR_LOGGERS:
+    for name in ("ett", *PROJECT_LOGGERS):
         logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
     quiet_library_dumps()
     if args.subcommand == "publish":
