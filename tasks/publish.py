@@ -16,6 +16,10 @@ from prefect.cache_policies import NO_CACHE
 from publish.pipeline import Publication, PublishResult
 from publish.settings import PublishError
 
+# A stage that hangs (an upload to a stuck MLflow) would hold the publish deployment's one
+# concurrency slot, and every later anchor would wait behind it.
+STAGE_TIMEOUT_S = 1800
+
 
 def _transient(task: Any, task_run: Any, state: Any) -> bool:
     """Retry unless the stage refused on purpose."""
@@ -28,7 +32,7 @@ def _transient(task: Any, task_run: Any, state: Any) -> bool:
     return False
 
 
-@task(name="publish-prepare", cache_policy=NO_CACHE)
+@task(name="publish-prepare", cache_policy=NO_CACHE, timeout_seconds=STAGE_TIMEOUT_S)
 def prepare(
     uri: str,
     step: int | None,
@@ -40,19 +44,19 @@ def prepare(
     return Publication.start(uri, step, job_id, mlflow_run_id, settings)
 
 
-@task(name="publish-load", cache_policy=NO_CACHE)
+@task(name="publish-load", cache_policy=NO_CACHE, timeout_seconds=STAGE_TIMEOUT_S)
 def load(pub: Publication) -> Publication:
     pub.load()
     return pub
 
 
-@task(name="publish-export", cache_policy=NO_CACHE)
+@task(name="publish-export", cache_policy=NO_CACHE, timeout_seconds=STAGE_TIMEOUT_S)
 def export(pub: Publication) -> Publication:
     pub.export()
     return pub
 
 
-@task(name="publish-validate", cache_policy=NO_CACHE)
+@task(name="publish-validate", cache_policy=NO_CACHE, timeout_seconds=STAGE_TIMEOUT_S)
 def validate(pub: Publication) -> Publication:
     pub.validate()
     return pub
@@ -61,6 +65,7 @@ def validate(pub: Publication) -> Publication:
 @task(
     name="publish-register",
     cache_policy=NO_CACHE,
+    timeout_seconds=STAGE_TIMEOUT_S,
     retries=2,
     retry_delay_seconds=5,
     retry_condition_fn=_transient,

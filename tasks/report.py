@@ -56,7 +56,8 @@ def log_attempt(run_id: str | None, tracking_uri: str, report: AttemptReport) ->
         logger().warning("could not log attempt %d to MLflow: %s", report.attempt, exc)
 
 
-@task(name="ett-report", cache_policy=NO_CACHE)
+# A timeout is a missing report (train_flow runs it with return_state), not a failed job.
+@task(name="ett-report", cache_policy=NO_CACHE, timeout_seconds=600)
 def report_job(
     job_url: str,
     job_id: str,

@@ -417,7 +417,7 @@ def next_attempt(job_url: str) -> int:
 
 
 # -- job preparation ------------------------------------------------------------------------
-@task(name="prepare-job", cache_policy=NO_CACHE)
+@task(name="prepare-job", cache_policy=NO_CACHE, timeout_seconds=300)
 def prepare_job(
     config: str | None,
     overrides: dict[str, Any] | None = None,
@@ -436,7 +436,7 @@ def prepare_job(
     return job, path
 
 
-@task(name="ensure-data", cache_policy=NO_CACHE)
+@task(name="ensure-data", cache_policy=NO_CACHE, timeout_seconds=3600)
 def ensure_data(config_path: str, data_url: str) -> bool:
     """Generate the synthetic data set with ``ett generate`` unless ``data_url`` holds one;
     returns whether it generated. (Flows never import the trainer: the CLI is a subprocess.)"""
