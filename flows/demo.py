@@ -106,12 +106,12 @@ def _published_version(tracking_uri: str, model: str, job_id: str) -> dict[str, 
     """The registered version made from ``job_id``'s anchor (what the triggered run did)."""
     from mlflow import MlflowClient
 
-    found = MlflowClient(tracking_uri=tracking_uri).search_model_versions(
-        f"name = '{model}' AND tags.job_id = '{job_id}'"
-    )
+    client = MlflowClient(tracking_uri=tracking_uri)
+    found = client.search_model_versions(f"name = '{model}' AND tags.job_id = '{job_id}'")
     if not found:
         return None
-    v = max(found, key=lambda mv: int(mv.version))
+    newest = max(found, key=lambda mv: int(mv.version))
+    v = client.get_model_version(model, newest.version)  # search results carry no aliases
     return {"registered_model": model, "version": v.version, "aliases": list(v.aliases)}
 
 
