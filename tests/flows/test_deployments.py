@@ -9,12 +9,17 @@ and worker environment disagree, then the ``publish`` run its anchor event trigg
 - flow and task runs named after the job; the ETT table and MLflow link artifacts;
 - a log without library dumps or torchrun's own traceback, and lines of the ``publish``
   loggers in the publish run's logs (PREFECT_LOGGING_EXTRA_LOGGERS);
-- publish runs one at a time (ENQUEUE), and its trigger's name and description.
+- publish runs one at a time (ENQUEUE), and its trigger's name and description;
+- ``ett demo`` on this stack publishes once, through the trigger.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -39,7 +44,7 @@ from prefect.deployments import run_deployment
 from infra import storage
 from infra.ledger import read_events
 from infra.settings import JobConfig, dump_config
-from tests.factories import tiny_config, write_dataset
+from tests.factories import ROOT, tiny_config, write_dataset
 from tests.prefect_worker import deployed_worker
 
 pytestmark = pytest.mark.slow
@@ -231,3 +236,35 @@ def test_the_publish_trigger_has_a_name_and_a_description(worker: Path) -> None:
         (automation,) = client.read_automations_by_name("publish-anchor-checkpoint")
     assert "anchor checkpoint" in automation.description
     assert automation.trigger.expect == {"ett.checkpoint.anchor.committed"}
+
+
+def test_demo_on_a_running_stack_lets_the_trigger_publish(
+    worker: Path, mlflow_server: str, tmp_path: Path
+) -> None:
+    """`ett demo` with PREFECT_API_URL set: one publish, the triggered deployment run's."""
+    model = "demo-stack-ranker"
+    config = tiny_config(
+        tmp_path,
+        train={"steps": 20, "dense_lr": 0.02},
+        tracking={"mlflow_uri": mlflow_server, "registered_model": model},
+    )
+    dump_config(config, tmp_path / "demo.yaml")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("ett")), "demo", "--config", "demo.yaml"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:] + worker.read_text()[-4000:]
+    assert "the anchor event triggers the publish/publish deployment" in proc.stdout
+    assert f"published: {model} version 1 (aliases: candidate, champion)" in proc.stdout
+    assert "Prefect UI: http://127.0.0.1:" in proc.stdout and "temporary API" not in out
+    job_id = re.search(r"training job (demo-\d{8}-\d{6})", proc.stdout).group(1)
+    from mlflow import MlflowClient
+
+    versions = MlflowClient(mlflow_server).search_model_versions(f"name = '{model}'")
+    assert [v.tags["job_id"] for v in versions] == [job_id]  # published once, not twice
