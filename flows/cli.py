@@ -65,13 +65,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from infra.windows import DEFAULT_ROOT
 
         root = args.url or DEFAULT_ROOT
-        with progress.counter(files * args.daily, "generate", "file", ["trainer"]) as bar:
+        with progress.counter(files * args.daily, "generate", "file") as bar:
             written = generate_daily(config.data, root, args.daily, on_file=bar.update)
         new = sum(1 for _, fresh in written if fresh)
         print(f"{len(written)} daily windows under {root} ({new} new), newest {written[-1][0]}")
         return 0
     url = args.url or config.data.url
-    with progress.counter(files, "generate", "file", ["trainer"]) as bar:
+    with progress.counter(files, "generate", "file") as bar:
         meta = generate(config.data, url, on_file=bar.update)
     print(
         f"wrote {meta['train_rows']} train + {meta['holdout_rows']} holdout rows to {url}; "

@@ -137,7 +137,7 @@ def run_demo(steps: int | None = None, nproc: int = 1, config: str | None = None
     job_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     storage.configure(base.storage)
     t0 = time.monotonic()
-    with progress.stages(STAGES, "demo", ["prefect", "infra", "publish"]) as stage:
+    with progress.stages(STAGES, "demo") as stage:
         stage("data")
         with tempfile.TemporaryDirectory(prefix="ett-demo-") as tmp:
             path = os.path.join(tmp, "demo.yaml")

@@ -1,8 +1,8 @@
 """Progress bars for long commands (tqdm), shown only to a person at a terminal.
 
 Off when stderr is not a TTY (pipes, CI logs, a Prefect worker): there a bar would only
-add carriage-return noise to the log. While a bar is shown, log lines of the given loggers
-are written above it instead of through it.
+add carriage-return noise to the log. While a bar is shown, the root logger's lines (every
+logger propagates there) are written above it instead of through it.
 """
 
 from __future__ import annotations
@@ -15,24 +15,24 @@ from collections.abc import Callable, Iterator, Sequence
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from infra.library_logs import quiet_library_dumps
+
 
 def shown() -> bool:
     return sys.stderr.isatty()
 
 
 @contextlib.contextmanager
-def counter(total: int, desc: str, unit: str, loggers: Sequence[str] = ()) -> Iterator[tqdm]:
+def counter(total: int, desc: str, unit: str) -> Iterator[tqdm]:
     """A bar over ``total`` units; call ``.update()`` after each one."""
-    with _above_logs(loggers), tqdm(total=total, desc=desc, unit=unit, disable=not shown()) as bar:
+    with _above_logs(), tqdm(total=total, desc=desc, unit=unit, disable=not shown()) as bar:
         yield bar
 
 
 @contextlib.contextmanager
-def stages(
-    names: Sequence[str], desc: str, loggers: Sequence[str] = ()
-) -> Iterator[Callable[[str], None]]:
+def stages(names: Sequence[str], desc: str) -> Iterator[Callable[[str], None]]:
     """A bar over named stages; yields ``enter(name)``, to call as each stage begins."""
-    with counter(len(names), desc, "stage", loggers) as bar:
+    with counter(len(names), desc, "stage") as bar:
         begun = 0
 
         def enter(name: str) -> None:
@@ -47,10 +47,10 @@ def stages(
 
 
 @contextlib.contextmanager
-def _above_logs(names: Sequence[str]) -> Iterator[None]:
+def _above_logs() -> Iterator[None]:
     if not shown():
         yield
         return
-    loggers = [logging.getLogger(n) for n in names] or [logging.getLogger()]
-    with logging_redirect_tqdm(loggers=loggers):
+    with logging_redirect_tqdm(loggers=[logging.getLogger()]):
+        quiet_library_dumps()  # the stand-in handler needs the filter too
         yield
