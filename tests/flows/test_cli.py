@@ -211,9 +211,15 @@ def test_fleet(trained: Trained, request: pytest.FixtureRequest) -> None:
     tracking.log_job_report(run_id, report_for_job(config.job_url), config.job_url)
     out = trained.tmp / "fleet"
     proc = ett(
-        "fleet", "--tracking-uri", store, "--experiment", "ett-pipeline", "--out", str(out),
+        "fleet",
+        "--tracking-uri",
+        store,
+        "--experiment",
+        "ett-pipeline",
+        "--out",
+        str(out),
         cwd=trained.tmp,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr
     assert "1 job(s) reported" in proc.stdout and "tiny" in proc.stdout
     assert (out / "ett_trend.png").read_bytes()[:4] == b"\x89PNG"
