@@ -6,25 +6,36 @@
    attempt 0; the flow sees the lost worker, backs off, relaunches, and the trainer resumes
    from the newest committed checkpoint, commits the anchor, and the flow emits the anchor
    event and finishes.
-3. Publishing as its own flow run on the anchor. With a Prefect server the event triggers the
-   ``publish`` deployment; the ephemeral API used here runs no triggers, so the demo starts
-   the ``publish`` flow itself, after training has ended.
-4. The ETT table of the job and how to open the results in the MLflow UI.
+3. Publishing as its own flow run on the anchor:
+   - against a running Prefect server with the ``publish`` deployment (``ett stack up``,
+     ``prefect deploy --all``, a worker): the anchor event triggers that deployment, as in
+     production; the demo only waits for the triggered run and reads the version it made;
+   - on Prefect's temporary (ephemeral) API, which runs no triggers, or a server without
+     the deployment: the demo starts the ``publish`` flow itself, after training has ended.
+4. The ETT table of the job and where to look at the results.
 
 Everything lands under the current directory: ``runs/`` (data, checkpoints, ledgers) and
-``mlflow.db`` (+ ``mlartifacts/``), as the embedded defaults say.
+``mlflow.db`` (+ ``mlartifacts/``), as the embedded defaults say, unless the environment
+(``eval "$(ett stack env)"``) points storage and MLflow at the stack.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
 import time
+import urllib.request
 from typing import Any
 
 DEFAULT_BACKOFF_S = 2.0
+PUBLISH_DEPLOYMENT = "publish/publish"
+PUBLISH_WAIT_S = 900.0  # the triggered run: the worker's poll, a process start, publishing
+STAGES = ("data", "training", "publishing", "report")
+
+
+class DemoError(RuntimeError):
+    """The demo cannot run as asked (e.g. PREFECT_API_URL names a server that is down)."""
 
 
 def _mlflow_hint(tracking_uri: str) -> str:
@@ -36,64 +47,159 @@ def _mlflow_hint(tracking_uri: str) -> str:
     return f"open {tracking_uri} in a browser"
 
 
-def run_demo(steps: int | None = None, nproc: int = 1) -> int:
+def prefect_server() -> str | None:
+    """The API URL of the Prefect server this process is pointed at (PREFECT_API_URL, or
+    the active profile's), None when it uses the temporary API; DemoError if it is down."""
+    from prefect.settings import PREFECT_API_URL
+
+    api = PREFECT_API_URL.value()
+    if not api:
+        return None
+    try:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(f"{api.rstrip('/')}/health", timeout=10) as resp:
+            if resp.status == 200:
+                return str(api)
+    except OSError as exc:
+        raise DemoError(
+            f"PREFECT_API_URL={api} does not answer ({exc}): start it (`ett stack up`) "
+            "or unset PREFECT_API_URL to run on a temporary API"
+        ) from exc
+    raise DemoError(f"PREFECT_API_URL={api} answered its health check with HTTP {resp.status}")
+
+
+def _publish_deployment_id() -> Any | None:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            return client.read_deployment_by_name(PUBLISH_DEPLOYMENT).id
+        except ObjectNotFound:
+            return None
+
+
+def wait_for_triggered_publish(deployment_id: Any, job_id: str, timeout_s: float) -> Any:
+    """The ``publish`` flow run the anchor event triggered for ``job_id``, once final."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    only_publish = DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id]))
+    deadline = time.monotonic() + timeout_s
+    run = None
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            runs = client.read_flow_runs(deployment_filter=only_publish)
+            mine = [r for r in runs if r.parameters.get("job_id") == job_id]
+            run = mine[0] if mine else None
+            if run is not None and run.state is not None and run.state.is_final():
+                return run
+            time.sleep(2.0)
+    where = f"run {run.name} is {run.state.name}" if run and run.state else "no run was made"
+    raise DemoError(
+        f"the triggered publish of {job_id} did not finish in {timeout_s:.0f} s ({where}): "
+        "is a worker running? `prefect worker start --pool ett-local`"
+    )
+
+
+def _published_version(tracking_uri: str, model: str, job_id: str) -> dict[str, Any] | None:
+    """The registered version made from ``job_id``'s anchor (what the triggered run did)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    found = client.search_model_versions(f"name = '{model}' AND tags.job_id = '{job_id}'")
+    if not found:
+        return None
+    newest = max(found, key=lambda mv: int(mv.version))
+    v = client.get_model_version(model, newest.version)  # search results carry no aliases
+    return {"registered_model": model, "version": v.version, "aliases": list(v.aliases)}
+
+
+def run_demo(steps: int | None = None, nproc: int = 1, config: str | None = None) -> int:
     """Run the demo; returns a process exit code (0: trained, recovered and published)."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # The temporary API server may take longer than Prefect's 20 s on a busy laptop.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")  # ensure-data
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "infra,publish,trainer")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the demo has one
+    server = prefect_server()  # before the heavy imports: a server that is down fails fast
     from flows.publish_flow import publish_flow
     from flows.train_flow import train_flow
-    from infra import storage
+    from infra import progress, storage, tables
     from infra.ett import report_for_job
-    from infra.ett_report import format_table
+    from infra.ett_report import sections
     from infra.settings import dump_config, load_config
     from tasks.train import ensure_data
 
-    base = load_config()
+    base = load_config(config)
     steps = steps or base.train.steps
     job_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     storage.configure(base.storage)
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="ett-demo-") as tmp:
-        path = os.path.join(tmp, "demo.yaml")
-        dump_config(base, path)
-        ensure_data(path, base.data.url)
-    t_data = time.monotonic() - t0
+    with progress.stages(STAGES, "demo") as stage:
+        stage("data")
+        with tempfile.TemporaryDirectory(prefix="ett-demo-") as tmp:
+            path = os.path.join(tmp, "demo.yaml")
+            dump_config(base, path)
+            ensure_data(path, base.data.url)
+        t_data = time.monotonic() - t0
 
-    fault = {"kind": "sigkill", "step": max(1, steps // 2), "attempt": 0}
-    print(
-        f"\n== training job {job_id}: {steps} steps, SIGKILL injected at step "
-        f"{fault['step']} of attempt 0 ==\n",
-        flush=True,
-    )
-    t1 = time.monotonic()
-    result: dict[str, Any] = train_flow(
-        overrides={"job_id": job_id, "train": {"steps": steps}},
-        nproc=nproc,
-        backoff_s=DEFAULT_BACKOFF_S,
-        faults=[fault],
-    )
-    t_train = time.monotonic() - t1
-
-    anchor = result["anchor"]
-    published: dict[str, Any] | None = None
-    t2 = time.monotonic()
-    if anchor is None:
-        print("no anchor checkpoint was committed: nothing to publish", file=sys.stderr)
-    else:
-        print(f"\n== publishing the anchor {anchor['uri']} (its own flow run) ==\n", flush=True)
-        published = publish_flow(
-            uri=anchor["uri"],
-            step=anchor["step"],
-            job_id=job_id,
-            mlflow_run_id=result["mlflow_run_id"],
+        stage("training")
+        fault = {"kind": "sigkill", "step": max(1, steps // 2), "attempt": 0}
+        print(
+            f"\n== training job {job_id}: {steps} steps, SIGKILL injected at step "
+            f"{fault['step']} of attempt 0 ==\n",
+            flush=True,
         )
-    t_publish = time.monotonic() - t2
+        t1 = time.monotonic()
+        state = train_flow(
+            config=config,
+            overrides={"job_id": job_id, "train": {"steps": steps}},
+            nproc=nproc,
+            backoff_s=DEFAULT_BACKOFF_S,
+            faults=[fault],
+            return_state=True,
+        )
+        result: dict[str, Any] = state.result()
+        t_train = time.monotonic() - t1
 
-    report = report_for_job(result["job_url"])
+        stage("publishing")
+        anchor = result["anchor"]
+        published: dict[str, Any] | None = None
+        t2 = time.monotonic()
+        deployment = _publish_deployment_id() if server else None
+        if anchor is None:
+            print("no anchor checkpoint was committed: nothing to publish", file=sys.stderr)
+        elif deployment is not None:
+            print(
+                f"\n== the anchor event triggers the {PUBLISH_DEPLOYMENT} deployment on "
+                f"{server}; waiting for its run ==\n",
+                flush=True,
+            )
+            run = wait_for_triggered_publish(deployment, job_id, PUBLISH_WAIT_S)
+            print(f"triggered publish run {run.name}: {run.state.name}")
+            if run.state.is_completed():
+                tracking = base.tracking
+                published = _published_version(
+                    tracking.mlflow_uri, tracking.registered_model, job_id
+                )
+        else:
+            if server:
+                print(f"no {PUBLISH_DEPLOYMENT} deployment on {server}: publishing here")
+            print(f"\n== publishing the anchor {anchor['uri']} (its own flow run) ==\n", flush=True)
+            published = publish_flow(
+                uri=anchor["uri"],
+                step=anchor["step"],
+                job_id=job_id,
+                mlflow_run_id=result["mlflow_run_id"],
+            )
+        t_publish = time.monotonic() - t2
+
+        stage("report")
+        report = report_for_job(result["job_url"])
     print(f"\n== ETT report of job {job_id} ==\n")
-    print(format_table(report))
+    tables.show(sections(report))
     print(f"attempts: {'; '.join(result['attempts'])}")
     if published:
         aliases = ", ".join(published.get("aliases") or []) or "none"
@@ -105,21 +211,14 @@ def run_demo(steps: int | None = None, nproc: int = 1) -> int:
         f"time: data {t_data:.0f} s, training flow {t_train:.0f} s, publishing "
         f"{t_publish:.0f} s, total {time.monotonic() - t0:.0f} s"
     )
-    print(f"\nMLflow UI: {_mlflow_hint(base.tracking.mlflow_uri)}")
-    print(
-        "Prefect: this demo ran on a temporary API; start `prefect server start` and set "
-        "PREFECT_API_URL to keep the runs, or see README for the full local stack."
-    )
+    print(f"\nETT report again: ett report {job_id}   (--plot ett.png for the picture)")
+    print(f"MLflow UI: {_mlflow_hint(base.tracking.mlflow_uri)}")
+    if server:
+        ui = server.rstrip("/").removesuffix("/api")
+        print(f"Prefect UI: {ui}/runs/flow-run/{state.state_details.flow_run_id}")
+    else:
+        print(
+            "Prefect: this demo ran on a temporary API; start `ett stack up` and "
+            '`eval "$(ett stack env)"` to keep the runs (see README, Orchestration).'
+        )
     return 0 if published is not None and result["failures"] >= 1 else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ett demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, help="training steps (default: the config's)")
-    parser.add_argument("--nproc", type=int, default=1, help="trainer processes (ranks)")
-    args = parser.parse_args(argv)
-    return run_demo(steps=args.steps, nproc=args.nproc)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

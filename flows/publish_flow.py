@@ -12,6 +12,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
+from flows.run_names import publish_run_name
 from tasks import publish as stages
 
 
@@ -20,7 +21,7 @@ def _blank(value: Any) -> Any:
     return None if value in ("", "None", "null") else value
 
 
-@flow(name="publish", log_prints=True)
+@flow(name="publish", flow_run_name=publish_run_name, log_prints=True)
 def publish_flow(
     uri: str,
     step: int | None = None,

@@ -1,34 +1,38 @@
 """The ``retrain`` flow (cron-scheduled in prefect.yaml): train the next data window, warm.
 
 1. The window: the newest complete date partition ``dt=YYYY-MM-DD`` under ``data_root``
-   (complete = it holds ``_meta.json`` or ``_SUCCESS``, written last by the producer).
+   (complete = it holds ``_meta.json`` or ``_SUCCESS``, written last by the producer;
+   ``ett generate --daily N`` writes synthetic ones, infra/windows.py). No complete window,
+   or the newest one trained already: the run ends, Completed, saying so (nothing to do is
+   not a failure of a scheduled run).
 2. The warm start: the current champion of the registered model (MLflow alias ``champion``)
    carries its anchor checkpoint's URI in the version tag ``anchor_uri`` (set by publishing);
    it becomes ``checkpoint.warm_start``. No champion: a cold start.
 3. Training: the ``train`` flow as a subflow, job id ``<job_prefix>-<YYYY-MM-DD>``. A window
-   trained before resumes its own job (and re-publishing an anchor is idempotent).
+   whose job started but never committed its anchor resumes that job.
 4. Promotion is not decided here: the anchor event triggers ``publish``, which compares the
    new model with the champion.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
+from prefect.states import Completed, State
 
+from flows.run_names import retrain_run_name
 from flows.train_flow import train_flow
-from infra import storage
+from infra import storage, windows
 from infra.settings import load_config
+from tasks.events import find_anchor
 from tasks.logs import logger
 
-PARTITION = re.compile(r"dt=(\d{4}-\d{2}-\d{2})")
-COMPLETE_MARKERS = ("_meta.json", "_SUCCESS")
 CHAMPION_ALIAS = "champion"
 ANCHOR_TAG = "anchor_uri"  # version tag written by publish/pipeline.py
+IO_TIMEOUT_S = 120  # a listing of the data root, a registry lookup
 
 
 @dataclass(frozen=True)
@@ -37,26 +41,32 @@ class Window:
     url: str
 
 
-@task(name="latest-window", cache_policy=NO_CACHE)
-def latest_window(data_root: str) -> Window:
-    """The newest complete ``dt=YYYY-MM-DD`` partition under ``data_root``."""
+@task(name="latest-window", cache_policy=NO_CACHE, timeout_seconds=IO_TIMEOUT_S)
+def latest_window(data_root: str) -> Window | None:
+    """The newest complete ``dt=YYYY-MM-DD`` partition under ``data_root``; None if none."""
     found = [
         Window(m.group(1), storage.join(data_root, name))
         for name in storage.listdir(data_root)
-        if (m := PARTITION.fullmatch(name))
+        if (m := windows.PARTITION.fullmatch(name))
     ]
     for window in sorted(found, key=lambda w: w.date, reverse=True):
-        if any(storage.exists(storage.join(window.url, m)) for m in COMPLETE_MARKERS):
+        if any(storage.exists(storage.join(window.url, m)) for m in windows.COMPLETE_MARKERS):
             return window
         logger().warning(
             "skipping incomplete partition %s (no %s yet)",
             window.url,
-            " or ".join(COMPLETE_MARKERS),
+            " or ".join(windows.COMPLETE_MARKERS),
         )
-    raise FileNotFoundError(f"no complete dt=YYYY-MM-DD partition under {data_root}")
+    return None
 
 
-@task(name="champion-anchor", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+@task(
+    name="champion-anchor",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=5,
+    timeout_seconds=IO_TIMEOUT_S,
+)
 def champion_anchor(tracking_uri: str, registered_model: str) -> str | None:
     """The anchor checkpoint URI of the model's champion version, None if there is none."""
     from mlflow import MlflowClient
@@ -83,28 +93,46 @@ def champion_anchor(tracking_uri: str, registered_model: str) -> str | None:
     return uri
 
 
-@flow(name="retrain", log_prints=True)
+def _nothing_to_do(message: str, **result: Any) -> State:
+    """A Completed run whose message says why nothing was trained."""
+    logger().info("%s", message)
+    return Completed(message=message, data={"trained": False, "message": message, **result})
+
+
+@flow(name="retrain", flow_run_name=retrain_run_name, log_prints=True)
 def retrain_flow(
     config: str | None = None,
-    data_root: str = "file://./runs/data/daily",
+    data_root: str = windows.DEFAULT_ROOT,
     job_prefix: str | None = None,
     nproc: int = 1,
     max_failures: int = 3,
     backoff_s: float = 10.0,
     hang_timeout_s: float = 600.0,
     faults: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any] | State:
     """Train on the newest window of ``data_root``, warm-started from the champion.
 
-    ``job_prefix`` defaults to the config's job id; the job is ``<prefix>-<date>``."""
+    ``job_prefix`` defaults to the config's job id; the job is ``<prefix>-<date>``. Without
+    a new window the run ends Completed with a message (``trained: False``)."""
     base = load_config(config)
     storage.configure(base.storage)
     window = latest_window(data_root)
+    if window is None:
+        return _nothing_to_do(
+            f"no complete dt=YYYY-MM-DD window under {data_root}: nothing to train "
+            "(write synthetic ones with `ett generate --daily N`)"
+        )
+    job_id = f"{job_prefix or base.job_id}-{window.date}"
+    anchor = find_anchor(base.model_copy(update={"job_id": job_id}).job_url)
+    if anchor is not None:
+        return _nothing_to_do(
+            f"no new window: the newest, {window.date}, was trained already by job {job_id} "
+            f"(anchor {anchor.uri})",
+            window=window.date,
+            job_id=job_id,
+        )
     warm = champion_anchor(base.tracking.mlflow_uri, base.tracking.registered_model)
-    overrides: dict[str, Any] = {
-        "job_id": f"{job_prefix or base.job_id}-{window.date}",
-        "data": {"url": window.url},
-    }
+    overrides: dict[str, Any] = {"job_id": job_id, "data": {"url": window.url}}
     if warm is not None:
         overrides["checkpoint"] = {"warm_start": warm}
     logger().info(
@@ -122,4 +150,10 @@ def retrain_flow(
         hang_timeout_s=hang_timeout_s,
         faults=faults,
     )
-    return {**result, "window": window.date, "data_url": window.url, "warm_start": warm}
+    return {
+        **result,
+        "trained": True,
+        "window": window.date,
+        "data_url": window.url,
+        "warm_start": warm,
+    }

@@ -27,9 +27,11 @@ from prefect import flow
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.runtime import flow_run
 
+from flows.run_names import train_run_name
 from infra import storage
 from infra.control import Phase, Progress
 from infra.ledger import next_attempt
+from tasks.artifacts import show_job
 from tasks.attempts import LaunchSpec, RetryPolicy
 from tasks.events import emit_anchor_committed, find_anchor
 from tasks.job import run_job, timeouts_for
@@ -50,7 +52,7 @@ def _expected_start(fallback: float) -> float:
         return fallback
 
 
-@flow(name="train", log_prints=True)
+@flow(name="train", flow_run_name=train_run_name, log_prints=True)
 def train_flow(
     config: str | None = None,
     overrides: dict[str, Any] | None = None,
@@ -141,6 +143,7 @@ def train_flow(
     report = report_state.result(raise_on_failure=False) if report_state.is_completed() else None
     if report is None:
         log.warning("no ETT report for %s: %s", job.job_id, report_state.message)
+    show_job(job.job_url, job.job_id, run_id, job.tracking.mlflow_uri)
     if not outcome.succeeded:
         logged = "ETT report logged" if report is not None else "no ETT report"
         raise TrainingFailed(f"job {job.job_id} failed: {outcome.message} ({logged})")

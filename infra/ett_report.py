@@ -1,4 +1,4 @@
-"""Rendering an EttReport: a terminal table, a markdown artifact, a PNG breakdown.
+"""Rendering an EttReport: tables (terminal, plain text, markdown artifact), a PNG breakdown.
 
 Rendering is kept apart from the calculator so the numbers can be tested without it and so the
 calculator does not import matplotlib.
@@ -8,9 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
+from infra import tables
 from infra.ett import BUCKETS, EttReport
 from infra.mfu import MfuReport
 
+TIMELINE_BINS = 2000  # slices of the timeline: more than the figure's pixels across
 COLORS = {
     "effective_training": "#2ca02c",
     "wasted_training": "#d62728",
@@ -42,10 +46,8 @@ def _efficiency(m: MfuReport) -> list[list[str]]:
     ]
 
 
-def _sections(
-    r: EttReport, mfu: MfuReport | None = None
-) -> list[tuple[str, list[str], list[list[str]]]]:
-    """(title, header, rows) for every section, shared by the text and markdown renderers."""
+def sections(r: EttReport, mfu: MfuReport | None = None) -> list[tables.Section]:
+    """(title, header, rows) for every section, shared by every renderer."""
     pct = r.bucket_pct()
     buckets = [[b, f"{r.buckets[b]:.3f}", f"{pct[b]:.2f}"] for b in BUCKETS]
     buckets.append(["total (W)", f"{r.wall_s:.3f}", "100.00"])
@@ -126,38 +128,52 @@ def _sections(
 
 
 def format_table(report: EttReport, mfu: MfuReport | None = None) -> str:
-    """Plain-text tables for the terminal (times in seconds, from W's start)."""
-    out: list[str] = []
-    for title, header, rows in _sections(report, mfu):
-        out.append(f"== {title} ==")
-        if not rows:
-            out.append("(none)")
-            out.append("")
-            continue
-        widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=True)]
-        for row in [header, ["-" * w for w in widths], *rows]:
-            out.append("  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)).rstrip())
-        out.append("")
-    return "\n".join(out).rstrip() + "\n"
+    """Plain-text tables for logs and pipes (times in seconds, from W's start)."""
+    return tables.to_text(sections(report, mfu))
 
 
 def to_markdown(report: EttReport, mfu: MfuReport | None = None) -> str:
     """Markdown for a Prefect artifact: a headline line, then one table per section."""
-    out = [
+    head = [
         f"# ETT report: **{report.ett_pct:.1f}%** effective",
         "",
         f"Wall time {report.wall_s:.1f} s; idleness {report.idleness_pct:.1f}%, "
         f"failure {report.failure_pct:.1f}%, {report.num_failures} failure(s).",
     ]
-    for title, header, rows in _sections(report, mfu):
-        out += ["", f"## {title}", ""]
-        if not rows:
-            out.append("_none_")
+    return "\n".join(head) + "\n" + tables.to_markdown(sections(report, mfu))
+
+
+def dominant_buckets(
+    segments: tuple[tuple[float, float, str], ...] | list[tuple[float, float, str]],
+    wall_s: float,
+    bins: int,
+) -> np.ndarray:
+    """For each of ``bins`` equal slices of [0, wall_s], the index (in BUCKETS) of the bucket
+    that covers most of it; len(BUCKETS) where nothing does.
+
+    A timeline of thousands of segments cannot be drawn segment by segment: a 2 ms gap
+    between two steps is a fraction of a pixel, yet every drawn rectangle takes at least one,
+    so the gaps paint over the training around them. One colour per pixel-wide slice, the
+    majority's, is what the resolution can show (the bar above gives the exact shares)."""
+    if not segments or wall_s <= 0:
+        return np.full(bins, len(BUCKETS))
+    starts = np.array([a for a, _, _ in segments])
+    ends = np.array([b for _, b, _ in segments])
+    kinds = [k for _, _, k in segments]
+    edges = np.linspace(0.0, wall_s, bins + 1)
+    cover = np.zeros((len(BUCKETS), bins))
+    for i, bucket in enumerate(BUCKETS):
+        mine = np.array([k == bucket for k in kinds])
+        if not mine.any():
             continue
-        out.append("| " + " | ".join(header) + " |")
-        out.append("|" + "|".join("---" for _ in header) + "|")
-        out += ["| " + " | ".join(x.replace("|", "\\|") for x in row) + " |" for row in rows]
-    return "\n".join(out) + "\n"
+        # Time spent in ``bucket`` up to t, piecewise linear between segment boundaries.
+        knots = np.concatenate([starts[mine], ends[mine]])
+        order = np.argsort(knots, kind="stable")
+        gained = np.concatenate([np.zeros(mine.sum()), ends[mine] - starts[mine]])[order]
+        cover[i] = np.diff(np.interp(edges, knots[order], np.cumsum(gained)))
+    best = cover.argmax(axis=0)
+    best[cover.max(axis=0) <= 0] = len(BUCKETS)
+    return best
 
 
 def plot_breakdown(report: EttReport, path: str | Path) -> Path:
@@ -166,6 +182,7 @@ def plot_breakdown(report: EttReport, path: str | Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
 
     fig, (bar, line) = plt.subplots(
         2, 1, figsize=(10, 4.2), gridspec_kw={"height_ratios": [1, 1.6]}
@@ -183,13 +200,20 @@ def plot_breakdown(report: EttReport, path: str | Path) -> Path:
         f"failure {report.failure_pct:.1f}%"
     )
     bar.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=4, fontsize=7)
-    for bucket in BUCKETS:
-        spans = [(a, b - a) for a, b, k in report.segments if k == bucket]
-        if spans:
-            line.broken_barh(spans, (0.6, 0.8), color=COLORS[bucket])
+    if report.segments:
+        colors = np.array([to_rgb(COLORS[b]) for b in BUCKETS] + [to_rgb("white")])
+        strip = colors[dominant_buckets(report.segments, report.wall_s, TIMELINE_BINS)]
+        line.imshow(
+            strip[np.newaxis],
+            extent=(0, max(report.wall_s, 1e-9), 0.6, 1.4),
+            aspect="auto",
+            interpolation="nearest",
+        )
     for i, att in enumerate(report.attempts):
         color = "#d62728" if att.outcome == "failed" else "#555555"
-        line.broken_barh([(att.start, att.end - att.start)], (1.8 + i * 0.5, 0.35), color=color)
+        line.broken_barh(
+            [(att.start, att.end - att.start)], (1.8 + i * 0.5, 0.35), facecolor=color, linewidth=0
+        )
         line.text(att.start, 2.25 + i * 0.5, f"attempt {att.attempt}: {att.outcome}", fontsize=7)
     for f in report.failures:
         line.axvline(f.died_at, color="#d62728", linestyle=":", linewidth=1)

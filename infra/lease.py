@@ -165,7 +165,7 @@ def _create_exclusive(url: str, record: LeaseRecord) -> bool:
         except FileExistsError:
             pass  # someone else's, or ours from a try whose answer was lost: read back
 
-    storage.with_retries(f"create {url}", put)
+    storage.call(f"create {url}", put)
     try:
         return json.loads(storage.read_text(url))["token"] == record.token
     except FileNotFoundError:

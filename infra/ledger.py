@@ -276,7 +276,7 @@ def _stored_extent(url: str) -> tuple[int, bool]:
     """How many bytes of a segmented file are stored, and whether it is sealed."""
     fs, path = storage.split(url)
     try:
-        infos = storage.with_retries(f"list {url}", lambda: fs.ls(path, detail=True))
+        infos = storage.call(f"list {url}", lambda: fs.ls(path, detail=True))
     except FileNotFoundError:
         return 0, False
     end, sealed = 0, False
@@ -542,7 +542,7 @@ def read_files(job_url: str) -> list[LedgerFile]:
     root_url = ledger_url(job_url)
     fs, root = storage.split(root_url)
     try:
-        paths = storage.with_retries(f"list {root_url}", lambda: fs.find(root))
+        paths = storage.call(f"list {root_url}", lambda: fs.find(root))
     except FileNotFoundError:
         return []
     plain: list[str] = []
@@ -556,7 +556,7 @@ def read_files(job_url: str) -> list[LedgerFile]:
     wanted = plain + [p for ps in segmented.values() for p in ps]
     if not wanted:
         return []
-    blobs: dict[str, bytes] = storage.with_retries(
+    blobs: dict[str, bytes] = storage.call(
         f"read {root_url}", lambda: fs.cat(wanted, on_error="raise")
     )
     files = []

@@ -4,6 +4,11 @@ Every process of a job (the Prefect flow, each torchrun rank, the publisher) rea
 file, so the config is the contract between them. Values are checked on load: a bad value is
 rejected with a message naming the field and what it accepts, before any work is started.
 
+Precedence, highest first: explicit overrides (a flow's ``overrides`` parameter: what a
+deployment run asks for), ETT_* environment variables (``ETT_TRAIN__STEPS=50`` sets
+``train.steps``: what the machine or worker says), the config file, the defaults. The ranks
+of a job load the resolved config (``load_resolved``), so they see what the flow saw.
+
 Strict: a file or an override says what it means. ``steps: "100"`` is not 100 and
 ``shuffle: 1`` is not true (a quoted number is a typo waiting to happen, and silent coercion
 hides it). Environment variables are strings by nature, so each is read as its field's type
@@ -73,8 +78,7 @@ class StorageConfig(_Frozen):
     # Credentials come from the standard AWS environment unless given here; never persisted.
     s3_access_key_id: SecretStr | None = None
     s3_secret_access_key: SecretStr | None = None
-    retries: int = Field(default=4, ge=0, le=20)
-    retry_backoff_s: float = Field(default=0.5, gt=0, le=60)
+    retries: int = Field(default=4, ge=0, le=20)  # botocore's retries per S3 request
 
 
 class GeneratorConfig(_Frozen):
@@ -354,11 +358,11 @@ class JobConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # The environment wins over overrides (init kwargs), which win over the file:
-        # operators override a checked-in config per run without editing it.
+        # Overrides (init kwargs) > environment > file: operators override a checked-in
+        # config per machine without editing it, and a run's parameters override both.
         path = _CONFIG_FILE.get()
         file = () if path is None else (_file_source(settings_cls, path),)
-        return _EnvSource(settings_cls), init_settings, *file
+        return init_settings, _EnvSource(settings_cls), *file
 
     @property
     def job_url(self) -> str:
@@ -430,8 +434,9 @@ def _reading(path: Path | None) -> Iterator[None]:
 def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> JobConfig:
     """Load a job config from a YAML/TOML file (or the embedded defaults when None).
 
-    ``overrides`` are nested dicts merged over the file, e.g. ``train={"steps": 10}``;
-    ETT_* environment variables win over both. Raises ConfigError naming each bad field.
+    ``overrides`` are nested dicts merged over the rest, e.g. ``train={"steps": 10}``; they
+    win over ETT_* environment variables, which win over the file. Raises ConfigError
+    naming each bad field.
     """
     source = str(path) if path is not None else "embedded defaults"
     try:
@@ -444,6 +449,17 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
             f"invalid job config (environment): {exc}; lists and sections given in one "
             "variable are JSON, e.g. ETT_DATA__CAT_VOCAB_SIZES='[50, 20]'"
         ) from None
+
+
+def load_resolved(path: str | os.PathLike[str]) -> JobConfig:
+    """A config that ``dump_config`` wrote for the processes of one job (the torchrun ranks).
+    It was resolved already, environment included, so its values win over ETT_* variables;
+    those only fill what it leaves out: credentials, which are never written to it."""
+    data = _file_source(JobConfig, Path(path))()
+    try:
+        return JobConfig(**data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, str(path))) from None
 
 
 def dump_config(config: JobConfig, path: str | os.PathLike[str]) -> None:

@@ -3,7 +3,7 @@
 ``ett stack up`` (or ``python -m infra.stack up``) starts them as background processes bound
 to 127.0.0.1, each in its own process group, logging to ``<state>/<name>.log``; the URLs and
 pids go to ``<state>/stack.json`` (never credentials) so ``down`` and ``status`` find them
-later. ``eval "$(python -m infra.stack env)"`` points a shell (flows, workers, torchrun ranks)
+later. ``eval "$(ett stack env)"`` points a shell (flows, workers, torchrun ranks)
 at the stack. The test-suite starts the same servers through ``tests/servers.py``.
 
 - S3: ``python -m moto.server``; an in-memory object store with a bucket (default ``ett``).
@@ -499,8 +499,8 @@ def describe(stack: Stack) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ett stack", description="Local S3 + MLflow + Prefect.")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``ett stack`` (and ``python -m infra.stack``), in any order."""
     parser.add_argument("command", choices=["up", "down", "status", "env"])
     parser.add_argument("--state-dir", default=DEFAULT_STATE_DIR)
     parser.add_argument("--services", default=",".join(SERVICES), help="comma-separated")
@@ -509,43 +509,74 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=180.0, help="up: seconds per server")
     for name in SERVICES:
         parser.add_argument(f"--{name}-port", type=int, default=DEFAULT_PORTS[name])
-    args = parser.parse_args(argv)
+
+
+def _up(args: argparse.Namespace) -> None:
+    services = tuple(s.strip() for s in args.services.split(",") if s.strip())
+    unknown = sorted(set(services) - set(SERVICES))
+    if unknown:
+        raise StackError(f"unknown services {unknown}; known: {', '.join(SERVICES)}")
+    if running_services(args.state_dir):
+        raise StackError(f"a stack in {args.state_dir} already runs; see `ett stack status`")
+    ports = {}
+    for name in services:
+        wanted = getattr(args, f"{name}_port", None)
+        ports[name] = wanted if wanted and not port_in_use(wanted) else free_port()
+        if wanted and ports[name] != wanted:
+            print(f"port {wanted} is busy: {name} uses {ports[name]}", file=sys.stderr)
+    t0 = time.monotonic()
+    stack = up(args.state_dir, ports, services, bucket=args.bucket, timeout_s=args.timeout)
+    print("\n".join(describe(stack)))
+    took = ", ".join(f"{n} {t:.1f}s" for n, t in stack.ready_s.items())
+    print(f"ready in {time.monotonic() - t0:.1f}s ({took}); logs in {stack.state_dir}")
+    env_cmd = f"ett stack env --state-dir {shlex.quote(args.state_dir)}"
+    print(f'point a shell at it: eval "$({env_cmd})"')
+
+
+def _status(args: argparse.Namespace) -> int:
+    from infra import tables
+
+    info = status(args.state_dir)
+    if not info:
+        print("no stack recorded; run `ett stack up`")
+        return 1
+    rows = [
+        [
+            name,
+            str(row["url"]),
+            str(row["pid"]),
+            "healthy" if row["healthy"] else "running" if row["running"] else "stopped",
+            str(row["log"]),
+        ]
+        for name, row in info.items()
+    ]
+    tables.show([("Stack", ["service", "url", "pid", "state", "log"], rows)])
+    return 0 if all(r["healthy"] for r in info.values()) else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    """Carry out a parsed ``ett stack`` command; StackError/TimeoutError say what failed."""
+    if args.command == "up":
+        _up(args)
+    elif args.command == "down":
+        stopped = down(args.state_dir, wipe=args.wipe)
+        print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
+    elif args.command == "status":
+        return _status(args)
+    else:
+        for key, value in load(args.state_dir).env().items():
+            print(f"export {key}={shlex.quote(value)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ett stack", description="Local S3 + MLflow + Prefect.")
+    add_arguments(parser)
     try:
-        if args.command == "up":
-            services = tuple(s.strip() for s in args.services.split(",") if s.strip())
-            if running_services(args.state_dir):
-                raise StackError(f"a stack in {args.state_dir} already runs; see `status`")
-            ports = {}
-            for name in services:
-                wanted = getattr(args, f"{name}_port", None)
-                ports[name] = wanted if wanted and not port_in_use(wanted) else free_port()
-                if wanted and ports[name] != wanted:
-                    print(f"port {wanted} is busy: {name} uses {ports[name]}", file=sys.stderr)
-            t0 = time.monotonic()
-            stack = up(args.state_dir, ports, services, bucket=args.bucket, timeout_s=args.timeout)
-            print("\n".join(describe(stack)))
-            took = ", ".join(f"{n} {t:.1f}s" for n, t in stack.ready_s.items())
-            print(f"ready in {time.monotonic() - t0:.1f}s ({took}); logs in {stack.state_dir}")
-            env_cmd = f"python -m infra.stack env --state-dir {shlex.quote(args.state_dir)}"
-            print(f'point a shell at it: eval "$({env_cmd})"')
-        elif args.command == "down":
-            stopped = down(args.state_dir, wipe=args.wipe)
-            print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
-        elif args.command == "status":
-            info = status(args.state_dir)
-            if not info:
-                print("no stack recorded; run `ett stack up`")
-            for name, row in info.items():
-                state = "healthy" if row["healthy"] else "running" if row["running"] else "stopped"
-                print(f"{name}: {row['url']} pid {row['pid']} {state}")
-            return 0 if info and all(r["healthy"] for r in info.values()) else 1
-        else:
-            for key, value in load(args.state_dir).env().items():
-                print(f"export {key}={shlex.quote(value)}")
+        return run(parser.parse_args(argv))
     except (StackError, TimeoutError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

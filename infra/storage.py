@@ -1,16 +1,23 @@
 """One way to read and write any fsspec URL (file://, s3://, memory://, plain paths).
 
 Everything that touches storage (data shards, checkpoints, ledgers, compile caches) goes
-through here, so S3 endpoint and credentials are resolved in one place: from the job's
-StorageConfig when given, otherwise from the standard AWS environment
-(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3).
-Credentials are passed to s3fs only, never logged or written anywhere.
+through here, so S3 endpoint, credentials and retries are set in one place: from the job's
+StorageConfig when given; anything it leaves out botocore resolves itself from the standard
+AWS environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL_S3 /
+AWS_ENDPOINT_URL, AWS_MAX_ATTEMPTS). Credentials are passed to s3fs only, never logged or
+written anywhere.
+
+Retries are botocore's, and only botocore's: its ``standard`` retry mode (exponential backoff
+with jitter, connection errors, throttling and 5xx responses) with ``StorageConfig.retries``
+retries. s3fs's own retry loop around each call is set to a single try so the two do not
+multiply. What still fails becomes a StorageError (an OSError) that names the URL: callers
+such as the ledger and the checkpointer treat OSError as "storage is unavailable", and
+botocore's network errors are no OSError.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -22,20 +29,21 @@ from infra.settings import StorageConfig
 T = TypeVar("T")
 
 _options: dict[str, Any] = {}
-_retry: dict[str, Any] = {}  # with_retries' budget from StorageConfig (retries, backoff_s)
+S3FS_TRIES = 1  # s3fs's own loop: one try, botocore retries (see the module docstring)
 
 
 class StorageError(OSError):
-    """A storage operation failed after all retries; the message names the URL."""
+    """A storage operation failed after botocore's retries; the message names the URL."""
 
 
 def configure(config: StorageConfig | None) -> None:
     """Set the S3 options used by every later call in this process (from the job config)."""
     _options.clear()
-    _retry.clear()
     if config is None:
         return
-    _retry.update(retries=config.retries, backoff_s=config.retry_backoff_s)
+    # total_max_attempts counts the first try too.
+    retries = {"mode": "standard", "total_max_attempts": config.retries + 1}
+    _options["config_kwargs"] = {"retries": retries}
     client_kwargs: dict[str, Any] = {}
     if config.s3_endpoint_url:
         client_kwargs["endpoint_url"] = config.s3_endpoint_url
@@ -48,21 +56,14 @@ def configure(config: StorageConfig | None) -> None:
         _options["secret"] = config.s3_secret_access_key.get_secret_value()
 
 
-def _s3_options() -> dict[str, Any]:
-    # No cached listings: checkpoints, markers and ledgers appear while a process watches
-    # (a cached listing would hide them, and s3fs answers exists() from it).
-    opts = {"use_listings_cache": False, **_options}
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if endpoint and "client_kwargs" not in opts:
-        opts["client_kwargs"] = {"endpoint_url": endpoint}
-    return opts
-
-
 def split(url: str) -> tuple[AbstractFileSystem, str]:
     """The filesystem and the path within it for a URL (a plain path means local disk)."""
     protocol = url.split("://", 1)[0] if "://" in url else "file"
     if protocol in ("s3", "s3a"):
-        fs = fsspec.filesystem("s3", **_s3_options())
+        # No cached listings: checkpoints, markers and ledgers appear while a process watches
+        # (a cached listing would hide them, and s3fs answers exists() from it).
+        fs = fsspec.filesystem("s3", use_listings_cache=False, **_options)
+        fs.retries = S3FS_TRIES
         return fs, url.split("://", 1)[1]
     if protocol == "file":
         path = url.split("://", 1)[1] if "://" in url else url
@@ -88,50 +89,36 @@ def local_path(url: str) -> str | None:
     return None
 
 
-def _transient_errors() -> tuple[type[BaseException], ...]:
-    """OSError and botocore's network errors (s3fs passes those through untranslated, and
-    they are no OSError: a refused or reset connection would escape every handler)."""
-    errors: tuple[type[BaseException], ...] = (OSError, TimeoutError)
+def _unavailable() -> tuple[type[BaseException], ...]:
+    """botocore's network errors: s3fs passes them through untranslated, and they are no
+    OSError (a refused or reset connection would escape every handler)."""
     try:
         from botocore.exceptions import ConnectionError as BotoConnectionError
         from botocore.exceptions import HTTPClientError
     except ImportError:  # no S3 support installed
-        return errors
-    return (*errors, BotoConnectionError, HTTPClientError)
+        return ()
+    return (BotoConnectionError, HTTPClientError)
 
 
-def with_retries(
-    what: str, fn: Callable[[], T], retries: int | None = None, backoff_s: float | None = None
-) -> T:
-    """Run a storage call, retrying transient errors with exponential backoff.
-
-    ``retries`` and ``backoff_s`` default to the job's StorageConfig (``configure``), else
-    4 and 0.5 s. A missing file is not transient and is raised at once; anything still
-    failing after ``retries`` retries becomes a StorageError naming ``what``.
-    """
-    retries = _retry.get("retries", 4) if retries is None else retries
-    backoff_s = _retry.get("backoff_s", 0.5) if backoff_s is None else backoff_s
-    transient = _transient_errors()
-    for attempt in range(retries + 1):
-        try:
-            return fn()
-        except FileNotFoundError:
-            raise
-        except transient as exc:
-            if attempt == retries:
-                raise StorageError(f"{what}: failed after {retries + 1} tries: {exc}") from exc
-            time.sleep(backoff_s * (2**attempt))
-    raise AssertionError("unreachable")
+def call(what: str, fn: Callable[[], T]) -> T:
+    """Run one storage call; a network error that outlived botocore's retries becomes a
+    StorageError naming ``what`` (OSErrors, FileNotFoundError included, pass unchanged)."""
+    try:
+        return fn()
+    except _unavailable() as exc:
+        tries = _options.get("config_kwargs", {}).get("retries", {}).get("total_max_attempts")
+        budget = f"at most {tries} tries" if tries else "botocore's default retries"
+        raise StorageError(f"{what}: failed after botocore's retries ({budget}): {exc}") from exc
 
 
 def exists(url: str) -> bool:
     fs, path = split(url)
-    return bool(with_retries(f"stat {url}", lambda: fs.exists(path)))
+    return bool(call(f"stat {url}", lambda: fs.exists(path)))
 
 
 def read_bytes(url: str) -> bytes:
     fs, path = split(url)
-    return with_retries(f"read {url}", lambda: fs.cat_file(path))
+    return call(f"read {url}", lambda: fs.cat_file(path))
 
 
 def write_bytes(url: str, data: bytes) -> None:
@@ -147,7 +134,7 @@ def write_bytes(url: str, data: bytes) -> None:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
         return
-    with_retries(f"write {url}", lambda: fs.pipe_file(path, data))
+    call(f"write {url}", lambda: fs.pipe_file(path, data))
 
 
 def read_text(url: str) -> str:
@@ -162,7 +149,7 @@ def listdir(url: str) -> list[str]:
     """Names (not paths) of the entries directly under a URL; empty when it does not exist."""
     fs, path = split(url)
     try:
-        entries = with_retries(f"list {url}", lambda: fs.ls(path, detail=False, refresh=True))
+        entries = call(f"list {url}", lambda: fs.ls(path, detail=False, refresh=True))
     except FileNotFoundError:
         return []
     return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
@@ -172,7 +159,7 @@ def glob(url_pattern: str) -> list[str]:
     """URLs matching a glob pattern, sorted, with the pattern's protocol kept."""
     fs, path = split(url_pattern)
     protocol = url_pattern.split("://", 1)[0] if "://" in url_pattern else ""
-    found = sorted(with_retries(f"glob {url_pattern}", lambda: fs.glob(path)))
+    found = sorted(call(f"glob {url_pattern}", lambda: fs.glob(path)))
     if protocol == "":
         return found
     if protocol == "file":
@@ -195,7 +182,7 @@ def makedirs(url: str) -> None:
 
 def size(url: str) -> int:
     fs, path = split(url)
-    return int(with_retries(f"stat {url}", lambda: fs.size(path)))
+    return int(call(f"stat {url}", lambda: fs.size(path)))
 
 
 def open_file(url: str, mode: str = "rb", **kwargs: Any) -> Any:
@@ -213,10 +200,10 @@ def put_file(local: str, url: str, max_concurrency: int = 8) -> None:
         makedirs(url.rsplit("/", 1)[0])
         fs.put_file(local, path)
         return
-    with_retries(f"upload {url}", lambda: fs.put_file(local, path, max_concurrency=max_concurrency))
+    call(f"upload {url}", lambda: fs.put_file(local, path, max_concurrency=max_concurrency))
 
 
 def get_file(url: str, local: str) -> None:
     """Download an object to a local file."""
     fs, path = split(url)
-    with_retries(f"download {url}", lambda: fs.get_file(path, local))
+    call(f"download {url}", lambda: fs.get_file(path, local))

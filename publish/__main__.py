@@ -56,14 +56,20 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.allow_non_anchor:
         overrides["require_anchor"] = False
-    from mlflow.exceptions import MlflowException  # heavy imports after parsing
+    from mlflow.exceptions import MlflowException  # heavy imports (torch, mlflow) after parsing
 
-    from publish.pipeline import publish
+    from infra import progress
+    from publish.pipeline import STAGES, publish
 
     try:
         # stdout carries only the JSON result (MLflow prints run links there).
-        with contextlib.redirect_stdout(sys.stderr):
-            result = publish(args.uri, args.step, args.job_id, args.mlflow_run_id, overrides)
+        with (
+            contextlib.redirect_stdout(sys.stderr),
+            progress.stages([name for name, _ in STAGES], "publishing") as enter,
+        ):
+            result = publish(
+                args.uri, args.step, args.job_id, args.mlflow_run_id, overrides, on_stage=enter
+            )
     except PublishError as exc:
         print(f"publish refused: {exc}", file=sys.stderr)
         return ExitCode.REFUSED

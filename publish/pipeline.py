@@ -27,7 +27,7 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -323,21 +323,31 @@ def worker_config() -> JobConfig:
         raise PublishError(f"the publishing worker's own settings are invalid: {exc}") from None
 
 
+STAGES: tuple[tuple[str, Callable[[Publication], Any]], ...] = (
+    ("load", Publication.load),
+    ("export", Publication.export),
+    ("validate", Publication.validate),
+    ("register", Publication.register),
+)
+
+
 def publish(
     uri: str,
     step: int | None = None,
     job_id: str | None = None,
     mlflow_run_id: str | None = None,
     settings: PublishSettings | dict[str, Any] | None = None,
+    on_stage: Callable[[str], None] | None = None,
 ) -> PublishResult:
-    """Publish the checkpoint at ``uri``: one model version per anchor, however often called."""
+    """Publish the checkpoint at ``uri``: one model version per anchor, however often called.
+    ``on_stage(name)`` is called as each stage begins (a progress bar)."""
     pub = Publication.start(uri, step, job_id, mlflow_run_id, settings)
     try:
         if pub.result is None:
-            pub.load()
-            pub.export()
-            pub.validate()
-            pub.register()
+            for name, stage in STAGES:
+                if on_stage is not None:
+                    on_stage(name)
+                stage(pub)
         assert pub.result is not None
         return pub.result
     finally:

@@ -8,13 +8,14 @@ lists its versions (tag ``mlflow.modelVersions``).
 Idempotency: every version carries ``anchor_key`` (anchor URI + manifest checksum). A
 publish first searches for it; a version whose ``publish_status`` is ``complete`` means the
 anchor is published and nothing is done. A version left incomplete (a publisher died between
-creating it and setting its aliases) is completed, not duplicated.
+creating it and setting its aliases) is completed, not duplicated. Two publishers never race
+on one anchor: the ``publish`` deployment runs one flow run at a time (a concurrency limit
+with the ENQUEUE strategy in prefect.yaml), so the next one finds the version complete.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -123,7 +124,7 @@ def register(
 ) -> tuple[ModelVersion, bool]:
     """Create (or complete) the version for this anchor, set aliases, mark it complete.
 
-    Returns (version, created): ``created`` is False when another publisher got there first.
+    Returns (version, created): ``created`` is False when the anchor was published already.
     """
     ensure_registered_model(client, name)
     existing = versions_for_key(client, name, key)
@@ -148,29 +149,9 @@ def register(
         version = mlflow.register_model(
             f"models:/{model_id}", name, await_registration_for=READY_TIMEOUT_S, tags=all_tags
         )
-        # --- race handling: two publishers of one anchor at once. Delete this block once the
-        # publish deployment's ENQUEUE concurrency limit (prefect.yaml) serializes publishing.
-        first = versions_for_key(client, name, key)[0]
-        if first.version != version.version:  # lost a race: keep the older version
-            client.delete_model_version(name, version.version)
-            return published_or_wait(client, name, key, first), False
-        # --- end of race handling
     client.update_model_version(name, version.version, description=description)
     client.set_registered_model_alias(name, CANDIDATE, version.version)
     if promote:
         client.set_registered_model_alias(name, CHAMPION, version.version)
     client.set_model_version_tag(name, version.version, STATUS_TAG, COMPLETE)
     return client.get_model_version(name, version.version), True
-
-
-def published_or_wait(
-    client: MlflowClient, name: str, key: str, version: ModelVersion, timeout_s: float = 60.0
-) -> ModelVersion:
-    """The winner of a race, once it has completed (or as it is, after ``timeout_s``)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        current = client.get_model_version(name, version.version)
-        if current.tags.get(STATUS_TAG) == COMPLETE:
-            return current
-        time.sleep(0.5)
-    return client.get_model_version(name, version.version)

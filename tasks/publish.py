@@ -20,6 +20,10 @@ from prefect.tasks import exponential_backoff
 from publish.pipeline import Publication, PublishResult
 from publish.settings import PublishError
 
+# A stage that hangs (an upload to a stuck MLflow) would hold the publish deployment's one
+# concurrency slot, and every later anchor would wait behind it.
+STAGE_TIMEOUT_S = 1800
+
 
 def _transient(task: Any, task_run: Any, state: Any) -> bool:
     """Retry unless the stage refused on purpose."""
@@ -40,7 +44,7 @@ RETRIES = {
 }
 
 
-@task(name="publish-prepare", cache_policy=NO_CACHE, **RETRIES)
+@task(name="publish-prepare", cache_policy=NO_CACHE, timeout_seconds=STAGE_TIMEOUT_S, **RETRIES)
 def prepare(
     uri: str,
     step: int | None,
@@ -52,24 +56,24 @@ def prepare(
     return Publication.start(uri, step, job_id, mlflow_run_id, settings)
 
 
-@task(name="publish-load", cache_policy=NO_CACHE)
+@task(name="publish-load", cache_policy=NO_CACHE, timeout_seconds=STAGE_TIMEOUT_S)
 def load(pub: Publication) -> Publication:
     pub.load()  # storage retries its own reads
     return pub
 
 
-@task(name="publish-export", cache_policy=NO_CACHE, **RETRIES)
+@task(name="publish-export", cache_policy=NO_CACHE, timeout_seconds=STAGE_TIMEOUT_S, **RETRIES)
 def export(pub: Publication) -> Publication:
     pub.export()
     return pub
 
 
-@task(name="publish-validate", cache_policy=NO_CACHE, **RETRIES)
+@task(name="publish-validate", cache_policy=NO_CACHE, timeout_seconds=STAGE_TIMEOUT_S, **RETRIES)
 def validate(pub: Publication) -> Publication:
     pub.validate()
     return pub
 
 
-@task(name="publish-register", cache_policy=NO_CACHE, **RETRIES)
+@task(name="publish-register", cache_policy=NO_CACHE, timeout_seconds=STAGE_TIMEOUT_S, **RETRIES)
 def register(pub: Publication) -> PublishResult:
     return pub.register()

@@ -1,4 +1,4 @@
-"""Prefect tasks for the ETT accounting of a job: MLflow run, attempts, report, fleet view.
+"""Prefect tasks for the ETT accounting of a job: MLflow run, attempts, report.
 
 Tracking never holds up training: an MLflow outage must not stop, fail or slow a job (its
 ledger keeps every number). Attempts are logged on a background thread, so a relaunch never
@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import contextvars
 import re
-import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from pathlib import Path
 from typing import Any
 
 from prefect import task
@@ -77,7 +75,8 @@ def _drain_pending(timeout_s: float = PENDING_WAIT_S) -> None:
     _pending[:] = list(late)
 
 
-@task(name="ett-report", cache_policy=NO_CACHE)
+# A timeout is a missing report (train_flow runs it with return_state), not a failed job.
+@task(name="ett-report", cache_policy=NO_CACHE, timeout_seconds=600)
 def report_job(
     config: JobConfig,
     run_id: str | None,
@@ -115,36 +114,5 @@ def report_job(
         "time_to_start_s": report.time_to_start_s,
         "time_to_recover_s": [f.time_to_recover_s for f in report.failures],
         "finished": report.finished,
-        "mlflow_run_id": run_id,
-    }
-
-
-@task(name="fleet-report", cache_policy=NO_CACHE)
-def fleet_report(tracking_uri: str, experiment: str, out_dir: str | None) -> dict[str, Any]:
-    """The fleet view of an experiment as a Prefect markdown artifact and as files in the
-    experiment's fleet run in MLflow (and in ``out_dir`` when given)."""
-    from infra import fleet
-
-    with tempfile.TemporaryDirectory(prefix="ett-fleet-") as tmp:
-        summary = fleet.fleet_summary(tracking_uri, experiment, Path(out_dir or tmp))
-        logger().info("%s", fleet.format_fleet(summary))
-        create_markdown_artifact(
-            markdown=fleet.to_markdown(summary),
-            key=artifact_key("ett-fleet", experiment),
-            description=f"Fleet ETT of experiment {experiment}: {len(summary.jobs)} job(s)",
-        )
-        totals = summary.stats.get("totals", {})
-        run_id = tracking.log_fleet_report(
-            tracking_uri,
-            experiment,
-            summary.files,
-            {f"fleet.{k}": v for k, v in totals.items() if isinstance(v, (int, float))},
-        )
-    return {
-        "jobs": len(summary.jobs),
-        "in_progress": list(summary.in_progress),
-        "regressions": [r.message for r in summary.regressions],
-        "fleet_ett_pct": summary.stats["totals"]["fleet_ett_pct"],
-        "files": summary.files if out_dir else {},
         "mlflow_run_id": run_id,
     }

@@ -18,6 +18,7 @@ from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.states import Failed, State
 
 from infra import storage
 from infra.settings import JobConfig, dump_config, load_config
@@ -34,20 +35,22 @@ class AttemptFailed(RuntimeError):
 
 
 @task(name="train-attempt", task_run_name="attempt-{attempt.number}", cache_policy=NO_CACHE)
-def attempt_task(runner: JobRunner, attempt: AttemptProcess) -> AttemptReport:
+def attempt_task(runner: JobRunner, attempt: AttemptProcess) -> AttemptReport | State:
     """Watch one attempt to its end: Completed on success, Failed (AttemptFailed) otherwise."""
     runner.log = logger()  # this task run's logs show the attempt's output
     for pump in attempt.pumps:
         pump.log = runner.log
     report = runner.watch_attempt(attempt)
     if report.failed:
-        raise AttemptFailed(report)
+        return Failed(message=report.describe(), data=AttemptFailed(report))
     return report
 
 
 def watch_in_task(runner: JobRunner, attempt: AttemptProcess) -> AttemptReport:
     """``run_attempt`` for tasks/job.run_job: the attempt as a task run, its report back."""
-    state = attempt_task(runner, attempt, return_state=True)
+    job_id = runner.job_url.rstrip("/").rsplit("/", 1)[-1]
+    named = attempt_task.with_options(task_run_name=f"{job_id}-attempt-{attempt.number}")
+    state = named(runner, attempt, return_state=True)
     if state.is_completed():
         return state.result()
     error = state.result(raise_on_failure=False)
@@ -56,7 +59,7 @@ def watch_in_task(runner: JobRunner, attempt: AttemptProcess) -> AttemptReport:
     raise RuntimeError(f"attempt {attempt.number} could not be watched: {error}")
 
 
-@task(name="prepare-job", cache_policy=NO_CACHE)
+@task(name="prepare-job", cache_policy=NO_CACHE, timeout_seconds=300)
 def prepare_job(
     config: str | None,
     overrides: dict[str, Any] | None = None,
@@ -75,7 +78,7 @@ def prepare_job(
     return job, path
 
 
-@task(name="ensure-data", cache_policy=NO_CACHE)
+@task(name="ensure-data", cache_policy=NO_CACHE, timeout_seconds=3600)
 def ensure_data(config_path: str, data_url: str) -> bool:
     """Generate the synthetic data set with ``ett generate`` unless ``data_url`` holds one;
     returns whether it generated. (Flows never import the trainer: the CLI is a subprocess.)"""

@@ -33,8 +33,16 @@ from infra.control import Phase, RankControl
 from infra.exit_codes import ExitCode
 from infra.lease import JobLocked, trainer_lease
 from infra.ledger import Ledger, Mark, Span, next_attempt, recover_orphaned_spools
+from infra.library_logs import quiet_library_dumps
 from infra.processes import die_with_parent
-from infra.settings import CheckpointMode, ConfigError, EvalMode, JobConfig, load_config
+from infra.settings import (
+    CheckpointMode,
+    ConfigError,
+    EvalMode,
+    JobConfig,
+    load_config,
+    load_resolved,
+)
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.interval import FailureHistory, IntervalPolicy
 from trainer.checkpoint.manifest import CheckpointError
@@ -352,8 +360,10 @@ def _main(argv: list[str] | None, control: RankControl | None) -> int:
         stream=sys.stdout,
         force=True,  # an imported library may have configured logging already
     )
+    quiet_library_dumps()  # TorchRec's planner report, FBGEMM's table dumps: DEBUG
     try:
-        config = load_config(args.config)
+        # The launcher resolved the config (parameters > ETT_* > file): it is final here.
+        config = load_resolved(args.config) if args.config else load_config()
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return ExitCode.USAGE

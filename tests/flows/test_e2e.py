@@ -14,11 +14,6 @@ subprocess, and the real trainer under torchrun on a tiny data set (~30 steps):
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -42,27 +37,13 @@ from infra import storage
 from infra.ett import report_for_job
 from infra.ledger import read_events
 from infra.settings import dump_config
-from tests.factories import ROOT, tiny_config, write_dataset
+from tests.factories import tiny_config, write_dataset
+from tests.prefect_worker import deployed_worker
 
 pytestmark = pytest.mark.slow
 
-PREFECT = str(Path(sys.executable).with_name("prefect"))
-POOL = "ett-local"
 MODEL = "e2e-ranker"
 RUN_TIMEOUT_S = 420
-
-
-def _prefect(*args: str, timeout: float = 300) -> str:
-    proc = subprocess.run(
-        [PREFECT, "--no-prompt", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=os.environ.copy(),
-    )
-    assert proc.returncode == 0, f"prefect {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
 
 
 @pytest.fixture(scope="module")
@@ -73,50 +54,9 @@ def worker(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Path]:
     """Deployments from prefect.yaml and a process worker; yields the worker's log file."""
-    _create_pool()
-    log = tmp_path_factory.mktemp("worker") / "worker.log"
-    env = {
-        **os.environ,
-        "ETT_TRACKING__MLFLOW_URI": mlflow_server,  # publishing uses the worker's MLflow
-        "PREFECT_WORKER_QUERY_SECONDS": "2",
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    }
-    with open(log, "wb") as fh:  # the worker boots while the flows are deployed
-        proc = subprocess.Popen(
-            [PREFECT, "worker", "start", "--pool", POOL],
-            cwd=ROOT,
-            env=env,
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        out = _prefect("deploy", "--all")
-        for name in ("train/train", "retrain/retrain", "publish/publish", "ett-report/ett-report"):
-            assert name in out, out
+    env = {"ETT_TRACKING__MLFLOW_URI": mlflow_server}  # publishing uses the worker's MLflow
+    with deployed_worker(tmp_path_factory.mktemp("worker") / "worker.log", env) as log:
         yield log
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _create_pool() -> None:
-    """`prefect work-pool create ett-local --type process`, without a CLI start-up."""
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectAlreadyExists
-    from prefect.workers.process import ProcessWorker
-
-    pool = WorkPoolCreate(
-        name=POOL, type="process", base_job_template=ProcessWorker.get_default_base_job_template()
-    )
-    with get_client(sync_client=True) as client, contextlib.suppress(ObjectAlreadyExists):
-        client.create_work_pool(pool)
 
 
 def _config(tmp_path: Path, job_id: str, mlflow_uri: str, **sections: Any):

@@ -1,4 +1,5 @@
-"""The retrain flow's inputs: the newest complete data window and the champion's anchor."""
+"""The retrain flow's inputs (the newest complete data window, the champion's anchor), and
+its runs that have nothing to train."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from flows.retrain_flow import champion_anchor, latest_window
+from flows.retrain_flow import champion_anchor, latest_window, retrain_flow
+from infra.ledger import Ledger
+from infra.settings import dump_config
+from tests.factories import tiny_config
 
 
 def _partition(root: Path, date: str, marker: str | None) -> None:
@@ -26,10 +30,45 @@ def test_latest_complete_window(tmp_path: Path) -> None:
     assert window.url == f"file://{tmp_path}/dt=2026-11-29"
 
 
-def test_no_window_is_an_error(tmp_path: Path) -> None:
+def test_no_complete_window_is_none(tmp_path: Path) -> None:
     _partition(tmp_path, "2026-11-30", None)
-    with pytest.raises(FileNotFoundError, match="no complete dt=YYYY-MM-DD partition"):
-        latest_window.fn(str(tmp_path))
+    assert latest_window.fn(str(tmp_path)) is None
+    assert latest_window.fn(str(tmp_path / "nothing-here")) is None
+
+
+def _retrain(tmp_path: Path, data_root: Path):
+    config = tiny_config(tmp_path, job_id="daily")
+    dump_config(config, tmp_path / "job.yaml")
+    state = retrain_flow(
+        config=str(tmp_path / "job.yaml"), data_root=f"file://{data_root}", return_state=True
+    )
+    return config, state
+
+
+def test_a_run_without_a_window_ends_cleanly(tmp_path: Path, prefect_server: str) -> None:
+    _, state = _retrain(tmp_path, tmp_path / "daily")
+    assert state.is_completed(), state
+    assert "no complete dt=YYYY-MM-DD window" in state.message
+    assert "ett generate --daily" in state.message
+    assert state.result()["trained"] is False
+
+
+def test_a_window_trained_already_is_not_trained_again(tmp_path: Path, prefect_server: str) -> None:
+    _partition(tmp_path / "daily", "2026-11-29", "_meta.json")
+    config = tiny_config(tmp_path, job_id="daily-2026-11-29")
+    anchor = f"{config.job_url}/checkpoints/step-000000020"
+    with Ledger(config.job_url, attempt=0) as ledger:  # what the trainer marks at the end
+        ledger.mark("anchor_committed", step=20, url=anchor)
+    _, state = _retrain(tmp_path, tmp_path / "daily")
+    assert state.is_completed(), state
+    assert "no new window: the newest, 2026-11-29, was trained already" in state.message
+    assert anchor in state.message
+    assert state.result() == {
+        "trained": False,
+        "message": state.message,
+        "window": "2026-11-29",
+        "job_id": "daily-2026-11-29",
+    }
 
 
 @pytest.mark.slow  # MLflow creates its SQLite schema: ~10-30 s here

@@ -131,9 +131,9 @@ def test_train_flow_fails_clearly_and_still_reports(
     assert runs[0].data.metrics["ett.num_failures"] == 2.0
 
     fleet = ett_report_flow(
-        tracking_uri=config.tracking.mlflow_uri,
-        experiment=config.tracking.experiment,
-        out_dir=str(tmp_path / "fleet"),
+        tracking_uri=config.tracking.mlflow_uri, experiment=config.tracking.experiment
     )
-    assert fleet["jobs"] == 1 and Path(fleet["files"]["md"]).is_file()
+    assert fleet["jobs"] == 1 and fleet["mlflow_run_id"]
+    plots = ml.list_artifacts(fleet["mlflow_run_id"], "fleet")  # in MLflow, not on local disk
+    assert {"fleet/ett_trend.png", "fleet/fleet.md"} <= {a.path for a in plots}
     assert "flow-bad" in _artifact(artifact_key("ett-fleet", config.tracking.experiment)).data

@@ -1,4 +1,5 @@
-"""infra/fleet.py over jobs logged by infra/tracking.py to a real SQLite MLflow store.
+"""infra/fleet.py (and its rendering, infra/fleet_report.py) over jobs logged by
+infra/tracking.py to a real SQLite MLflow store.
 
 Six synthetic jobs an hour apart (10-minute train loops, some with a failure); job 4 takes twice
 as long to start. Only that Time to Start regression may be flagged.
@@ -15,7 +16,8 @@ from mlflow import MlflowClient
 
 from infra import tracking
 from infra.ett import report_for_job
-from infra.fleet import FleetJob, Thresholds, find_regressions, fleet_summary, format_fleet
+from infra.fleet import FleetJob, Thresholds, find_regressions, fleet_summary
+from infra.fleet_report import PLOTS, format_fleet, write_files
 from tests.factories import tiny_config
 from tests.infra.test_tracking import T0, sqlite_store, write_job
 
@@ -56,7 +58,7 @@ def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             tracking.log_job_report(run_id, reports[config.job_id], config.job_url)
     # Started, not reported yet: listed as in progress, not as a job.
     tracking.start_job_run(tiny_config(root, job_id="retrain-6", tracking=tracking_cfg))
-    summary = fleet_summary(store, "fleet", root / "out")
+    summary = fleet_summary(store, "fleet")
     return {"store": store, "root": root, "reports": reports, "summary": summary}
 
 
@@ -95,8 +97,9 @@ def test_fleet_jobs_match_their_reports(fleet: dict) -> None:
 
 def test_fleet_writes_plots_and_tables(fleet: dict) -> None:
     s, out = fleet["summary"], fleet["root"] / "out"
-    for name in ("ett_trend", "time_to_start", "time_to_recover", "waste"):
-        assert Path(s.files[name]).read_bytes()[:8] == PNG and Path(s.files[name]).parent == out
+    files = write_files(s, out)
+    for name in PLOTS:
+        assert Path(files[name]).read_bytes()[:8] == PNG and Path(files[name]).parent == out
     md = (out / "fleet.md").read_text()
     assert "| retrain-4 |" in md and "time_to_start_s" in md
     assert (out / "fleet.txt").read_text() == format_fleet(s)
@@ -104,9 +107,11 @@ def test_fleet_writes_plots_and_tables(fleet: dict) -> None:
 
 
 def test_missing_experiment_gives_empty_summary(fleet: dict, tmp_path: Path) -> None:
-    s = fleet_summary(fleet["store"], "no-such-experiment", tmp_path)
+    s = fleet_summary(fleet["store"], "no-such-experiment")
     assert s.jobs == () and s.regressions == ()
+    files = write_files(s, tmp_path)
     assert "(no reported jobs)" in (tmp_path / "fleet.txt").read_text()
+    assert not set(PLOTS) & set(files)  # nothing to plot
     assert (
         MlflowClient(tracking_uri=fleet["store"]).get_experiment_by_name("no-such-experiment")
         is None

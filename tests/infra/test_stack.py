@@ -55,8 +55,9 @@ def test_down_never_signals_a_process_that_reused_a_recorded_pid(tmp_path, capsy
         svc = {"name": "s3", "url": "http://127.0.0.1:1", "port": 1, "pid": sleeper.pid}
         record = {"bucket": "ett", "services": {"s3": svc | {"log": str(tmp_path / "s3.log")}}}
         (tmp_path / "stack.json").write_text(json.dumps(record))
-        assert stack.main(["env", "--state-dir", str(tmp_path)]) == 0
-        assert "export AWS_ENDPOINT_URL_S3=http://127.0.0.1:1\n" in capsys.readouterr().out
+        for argv in (["env", "--state-dir", str(tmp_path)], ["--state-dir", str(tmp_path), "env"]):
+            assert stack.main(argv) == 0  # flags before or after the command
+            assert "export AWS_ENDPOINT_URL_S3=http://127.0.0.1:1\n" in capsys.readouterr().out
         assert stack.status(tmp_path)["s3"]["running"] is False
         assert stack.down(tmp_path) == ["s3"]
         assert sleeper.poll() is None

@@ -1,10 +1,15 @@
-"""Storage helpers over local disk and memory:// (S3 is covered against moto elsewhere)."""
+"""Storage helpers over local disk and memory://, and S3 (moto) behind a cuttable proxy."""
 
 from __future__ import annotations
+
+import urllib.parse
+import uuid
 
 import pytest
 
 from infra import storage
+from infra.settings import StorageConfig
+from tests.tcp_proxy import TcpProxy
 
 
 @pytest.mark.parametrize("root", ["file", "memory"])
@@ -29,44 +34,49 @@ def test_local_write_is_atomic_rename(tmp_path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["x.bin"]  # no temp files left behind
 
 
-def test_retries_then_names_the_operation() -> None:
-    calls = []
+def _fresh_s3fs() -> None:
+    import s3fs
 
-    def flaky() -> str:
-        calls.append(1)
-        if len(calls) < 3:
-            raise ConnectionError("reset")
-        return "ok"
-
-    assert storage.with_retries("op", flaky, retries=3, backoff_s=0.001) == "ok"
-    with pytest.raises(storage.StorageError, match="upload s3://b/k: failed after 2 tries"):
-        storage.with_retries(
-            "upload s3://b/k", lambda: (_ for _ in ()).throw(OSError("down")), 1, 0.001
-        )
-    with pytest.raises(FileNotFoundError):
-        storage.with_retries("read", lambda: (_ for _ in ()).throw(FileNotFoundError("x")))
+    s3fs.S3FileSystem.clear_instance_cache()  # a cached instance keeps its old endpoint
 
 
-def test_metadata_calls_ride_out_a_blip(monkeypatch) -> None:
-    """The checkpoint commit polls exists/glob; one dropped connection must not fail it."""
-    storage.write_text("memory://blip/a/_done.rank000.json", "{}")
-    fs, _ = storage.split("memory://blip")
-    calls = {"exists": 0, "glob": 0}
+@pytest.mark.parametrize("retries", [0, 2])
+def test_botocore_retries_are_the_only_layer(s3_server: str, retries: int) -> None:
+    """A read during an outage is tried ``retries + 1`` times (botocore's retries, configured
+    from StorageConfig), then fails as a StorageError that names the URL. aiohttp may open a
+    second connection within one try after a reset, hence the range."""
+    port = urllib.parse.urlsplit(s3_server).port
+    assert port is not None
+    proxy = TcpProxy(("127.0.0.1", port)).start()
+    url = f"s3://ett/storage-test/{uuid.uuid4().hex[:8]}/x.txt"
+    try:
+        storage.configure(StorageConfig(s3_endpoint_url=proxy.url, retries=retries))
+        storage.write_text(url, "hello")
+        assert storage.read_text(url) == "hello"
+        with proxy.outage(), pytest.raises(storage.StorageError) as err:
+            storage.read_text(url)
+        assert retries + 1 <= proxy.refused <= 2 * (retries + 1)
+        assert url in str(err.value) and f"at most {retries + 1} tries" in str(err.value)
+        assert storage.read_text(url) == "hello"  # the outage is over: nothing was lost
+    finally:
+        storage.configure(None)
+        proxy.close()
+        _fresh_s3fs()
 
-    def flaky(name: str, real):  # noqa: ANN001, ANN202 - wraps an fsspec method
-        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            calls[name] += 1
-            if calls[name] == 1:
-                raise ConnectionResetError("connection reset by peer")
-            return real(*args, **kwargs)
 
-        return call
-
-    monkeypatch.setattr(fs, "exists", flaky("exists", fs.exists))
-    monkeypatch.setattr(fs, "glob", flaky("glob", fs.glob))
-    monkeypatch.setattr(storage, "_retry", {"retries": 2, "backoff_s": 0.001})
-    assert storage.exists("memory://blip/a/_done.rank000.json")
-    assert storage.glob("memory://blip/a/_done.rank*.json") == [
-        "memory://blip/a/_done.rank000.json"
-    ]
-    assert calls == {"exists": 2, "glob": 2}
+def test_endpoint_comes_from_the_aws_environment(
+    s3_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no endpoint in the config, botocore reads AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL
+    itself (the s3_server fixture sets the former)."""
+    storage.configure(None)
+    url = f"s3://ett/storage-test/{uuid.uuid4().hex[:8]}/env.txt"
+    _fresh_s3fs()
+    storage.write_text(url, "via AWS_ENDPOINT_URL_S3")
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    _fresh_s3fs()
+    try:
+        assert storage.read_text(url) == "via AWS_ENDPOINT_URL_S3"
+    finally:
+        _fresh_s3fs()

@@ -225,7 +225,6 @@ def test_a_ledger_that_cannot_be_stored_fails_the_attempt(
                 "root": f"s3://ett/{uuid.uuid4().hex[:12]}",
                 "s3_endpoint_url": proxy.url,
                 "retries": 1,
-                "retry_backoff_s": 0.1,
             },
             checkpoint={"mode": "off"},
         )

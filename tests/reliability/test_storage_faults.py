@@ -101,7 +101,7 @@ def test_s3_read_errors_on_newest_checkpoint_are_retried_not_fallen_back(
     the second fell back to step 5, silently throwing away five steps of work."""
     config = finished_s3_job
     rule = proxy.cut("GET", cut, how=how)
-    flaky = at(config, proxy.url, retries=2, retry_backoff_s=0.1)
+    flaky = at(config, proxy.url, retries=2)
     before = attempts(config)
     code, out = run_to_end(flaky, tmp_path, env=behind(proxy))
     assert code == ExitCode.STORAGE_UNAVAILABLE, out[-3000:]
@@ -134,7 +134,7 @@ def test_sigkill_during_emergency_save_keeps_previous_checkpoint(
         data_url,
         proxy.url,
         steps=20,
-        storage={"retries": 4, "retry_backoff_s": 1.0},
+        storage={"retries": 4},
         checkpoint={"keep_latest_k": 1},
         faults=[{"kind": "sigterm", "step": sigterm_at, "attempt": 0}],
     )
@@ -170,8 +170,8 @@ def test_sigkill_during_emergency_save_keeps_previous_checkpoint(
 
 
 @pytest.mark.parametrize(
-    ("retries", "backoff_s", "budget_s"),
-    [(1, 0.1, 60.0), (6, 1.0, 2.0)],
+    ("retries", "budget_s"),
+    [(1, 60.0), (6, 2.0)],
     ids=["upload-fails", "upload-outlasts-budget"],
 )
 def test_emergency_save_that_fails_or_outlasts_its_budget_exits_emergency_save_failed(
@@ -180,7 +180,6 @@ def test_emergency_save_that_fails_or_outlasts_its_budget_exits_emergency_save_f
     s3_server: str,
     proxy: RequestCutter,
     retries: int,
-    backoff_s: float,
     budget_s: float,
 ) -> None:
     """SIGTERM at step 7; every upload of step 7 is reset. With 2 tries the save fails
@@ -191,7 +190,7 @@ def test_emergency_save_that_fails_or_outlasts_its_budget_exits_emergency_save_f
         data_url,
         proxy.url,
         steps=20,
-        storage={"retries": retries, "retry_backoff_s": backoff_s},
+        storage={"retries": retries},
         checkpoint={"preemption_budget_s": budget_s},
         faults=[{"kind": "sigterm", "step": 7, "attempt": 0}],
     )

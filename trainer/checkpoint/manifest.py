@@ -105,7 +105,7 @@ def _copy(src: str, dst: str) -> None:
     """Copy one object within a store (server-side on S3)."""
     fs, src_path = storage.split(src)
     _, dst_path = storage.split(dst)
-    storage.with_retries(f"copy {src}", lambda: fs.copy(src_path, dst_path))
+    storage.call(f"copy {src}", lambda: fs.copy(src_path, dst_path))
 
 
 def quarantine(ckpt_url: str, reason: str) -> str:

@@ -24,6 +24,11 @@ signal: a mean-pooled history tower learns part of it, a sequence tower with pos
 learn all of it. Ids are Zipf-distributed (frequent ids dominate). The sum runs over the last
 ``data.max_history_len`` items, exactly what the loader keeps, so the Bayes AUC in the meta
 is a true ceiling for a model fed by the loader.
+
+Daily windows (``generate_daily``, ``ett generate --daily N``) are data sets of the same
+planted world, one per day under ``<root>/dt=YYYY-MM-DD`` (infra/windows.py): the ground
+truth comes from the seed alone, the rows of each day from the seed and the date, so a model
+warm-started from yesterday's window keeps learning the same click model.
 """
 
 from __future__ import annotations
@@ -32,14 +37,16 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from infra import storage
+from infra import storage, windows
 from infra.settings import DataConfig
 
 log = logging.getLogger(__name__)
@@ -295,10 +302,24 @@ def _write_shard(
     return labels, logits, inter, uniform, lens
 
 
-def generate(data: DataConfig, url: str | None = None) -> dict[str, Any]:
+def files_to_write(data: DataConfig) -> int:
+    """Parquet files one data set has (train shards + the holdout): the steps of progress."""
+    return data.generator.shards + 1
+
+
+def generate(
+    data: DataConfig,
+    url: str | None = None,
+    *,
+    day: date | None = None,
+    on_file: Callable[[], None] | None = None,
+) -> dict[str, Any]:
     """Write the synthetic data set for ``data`` (to ``url``, default ``data.url``); returns
-    the meta also written to ``{url}/_meta.json``. Deterministic from data.generator.seed."""
+    the meta also written to ``{url}/_meta.json``. Deterministic from data.generator.seed
+    (and ``day``: the rows of a daily window). ``on_file`` is called after each file."""
     gen = data.generator
+    stream = [day.toordinal()] if day is not None else []  # the same world, other rows
+    done = on_file or (lambda: None)
     url = (url or data.url).rstrip("/")
     if gen.shards > gen.rows:
         raise ValueError(f"generator.shards={gen.shards} exceeds generator.rows={gen.rows}")
@@ -310,8 +331,9 @@ def generate(data: DataConfig, url: str | None = None) -> dict[str, Any]:
     for i, rows in enumerate(shard_rows):
         name = f"train/part-{i:05d}.parquet"
         t = time.perf_counter()
-        rng = np.random.default_rng([seed, 1, i])
+        rng = np.random.default_rng([seed, 1, i, *stream])
         *_, lens = _write_shard(storage.join(url, name), planted, data, rng, rows)
+        done()
         lengths.append(lens)
         train_files.append(name)
         log.info(
@@ -324,10 +346,11 @@ def generate(data: DataConfig, url: str | None = None) -> dict[str, Any]:
         )
     name = "holdout/part-00000.parquet"
     t = time.perf_counter()
-    rng = np.random.default_rng([seed, 2, 0])
+    rng = np.random.default_rng([seed, 2, 0, *stream])
     labels, logits, inter, uniform, _ = _write_shard(
         storage.join(url, name), planted, data, rng, gen.holdout_rows
     )
+    done()
     log.info(
         "synthetic: wrote %s (%d rows, %.2f s)",
         storage.join(url, name),
@@ -344,6 +367,7 @@ def generate(data: DataConfig, url: str | None = None) -> dict[str, Any]:
         "cat_vocab_sizes": list(data.cat_vocab_sizes),
         "item_vocab_size": data.item_vocab_size,
         "seed": gen.seed,
+        "window": day.isoformat() if day is not None else None,
         "generator_config": gen.model_dump(mode="json"),
         "train_rows": gen.rows,
         "holdout_rows": gen.holdout_rows,
@@ -377,3 +401,33 @@ def generate(data: DataConfig, url: str | None = None) -> dict[str, Any]:
         meta["bayes_logloss"],
     )
     return meta
+
+
+def generate_daily(
+    data: DataConfig,
+    root: str,
+    days: int,
+    *,
+    last: date | None = None,
+    on_file: Callable[[], None] | None = None,
+) -> list[tuple[str, bool]]:
+    """Daily windows for the ``retrain`` flow: ``days`` data sets under ``root``, one per day
+    up to ``last`` (default: today, UTC), each a complete ``dt=YYYY-MM-DD`` partition. A
+    complete window is left as it is. Returns (url, written) per window, oldest first."""
+    if days < 1:
+        raise ValueError(f"days must be >= 1, got {days}")
+    last = last or datetime.now(UTC).date()
+    tick = on_file or (lambda: None)
+    out: list[tuple[str, bool]] = []
+    for back in range(days - 1, -1, -1):
+        day = last - timedelta(days=back)
+        url = storage.join(root, windows.partition_name(day))
+        if storage.exists(storage.join(url, "_meta.json")):
+            log.info("synthetic: %s is complete already: kept", url)
+            for _ in range(files_to_write(data)):
+                tick()
+            out.append((url, False))
+            continue
+        generate(data, url, day=day, on_file=tick)
+        out.append((url, True))
+    return out

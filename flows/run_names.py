@@ -1,0 +1,73 @@
+"""Flow run names that say what a run is about, instead of Prefect's random "exuberant-owl".
+
+Prefect calls these when a flow run starts (``@flow(flow_run_name=...)``) and reads the
+run's parameters from ``prefect.runtime``. A name is a label: whatever goes wrong while
+working one out, the run gets a plain name and goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from prefect.runtime import flow_run
+
+log = logging.getLogger(__name__)
+
+
+def _parameters() -> dict[str, Any]:
+    try:
+        return dict(flow_run.get_parameters() or {})
+    except Exception:  # noqa: BLE001 - outside a flow run
+        return {}
+
+
+def _job_id(parameters: dict[str, Any]) -> str | None:
+    """The job id the parameters resolve to (config file, overrides, ETT_* environment)."""
+    from infra.settings import load_config
+
+    try:
+        return load_config(parameters.get("config"), **(parameters.get("overrides") or {})).job_id
+    except Exception as exc:  # noqa: BLE001 - the flow itself reports a bad config
+        log.debug("no job id for the run name: %s", exc)
+        return None
+
+
+def train_run_name() -> str:
+    """``train-<job id>``."""
+    job_id = _job_id(_parameters())
+    return f"train-{job_id}" if job_id else "train"
+
+
+def retrain_run_name() -> str:
+    """``retrain-<prefix>-<scheduled date>``: the day's run of a job prefix."""
+    parameters = _parameters()
+    prefix = parameters.get("job_prefix") or _job_id({"config": parameters.get("config")})
+    try:
+        day = flow_run.get_scheduled_start_time().strftime("%Y-%m-%d")
+    except Exception:  # noqa: BLE001 - outside a flow run
+        day = None
+    return "-".join(p for p in ("retrain", prefix, day) if p)
+
+
+def report_run_name() -> str:
+    """``ett-report-<experiment>``."""
+    experiment = _parameters().get("experiment")
+    if not experiment:
+        from infra.settings import load_config
+
+        try:
+            experiment = load_config().tracking.experiment
+        except Exception:  # noqa: BLE001
+            experiment = None
+    return f"ett-report-{experiment}" if experiment else "ett-report"
+
+
+def publish_run_name() -> str:
+    """``publish-<job id>-step-<step>`` (the anchor's folder name when those are unknown)."""
+    parameters = _parameters()
+    job_id, step = parameters.get("job_id"), parameters.get("step")
+    if job_id not in (None, "", "None") and step not in (None, "", "None"):
+        return f"publish-{job_id}-step-{step}"
+    uri = str(parameters.get("uri") or "").rstrip("/")
+    return f"publish-{uri.rsplit('/', 1)[-1]}" if uri else "publish"

@@ -1,0 +1,253 @@
+"""Every ``ett`` subcommand as a user runs it: the installed script, flags in the order the
+README shows, a happy path where it is cheap and a user error for each. A user error is one
+line on stderr that names the problem, a non-zero exit code, and never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from infra import stack, tracking
+from infra.ett import report_for_job
+from infra.exit_codes import ExitCode
+from infra.settings import JobConfig, dump_config
+from tests.factories import ROOT, tiny_config
+from tests.infra.test_tracking import sqlite_store
+
+ETT = Path(sys.executable).with_name("ett")  # the console script of the installed package
+SUBCOMMANDS = ("generate", "train", "report", "advise", "demo", "fleet", "stack", "publish")
+
+
+def ett(*args: str, cwd: Path, env: dict[str, str | None] | None = None, timeout: float = 600):
+    """Run ``ett ARGS`` (``env``: None removes a variable); no output may hold a traceback."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {k: v for k, v in full_env.items() if v is not None}
+    proc = subprocess.run(
+        [str(ETT), *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    return proc
+
+
+def user_error(proc: subprocess.CompletedProcess[str], *words: str, code: int = ExitCode.USAGE):
+    """One line on stderr naming the problem (each of ``words``), exit code ``code``."""
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def write(config: JobConfig, path: Path) -> str:
+    dump_config(config, path)
+    return str(path)
+
+
+@dataclass(frozen=True)
+class Trained:
+    tmp: Path
+    config: JobConfig
+    path: str  # the job config file
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Trained:
+    """``ett generate`` then ``ett train`` of a tiny job, as a user would start."""
+    tmp = tmp_path_factory.mktemp("cli")
+    config = tiny_config(tmp, job_id="tiny", train={"steps": 20, "dense_lr": 0.02})
+    path = write(config, tmp / "job.yaml")
+    generated = ett("generate", "--config", path, cwd=tmp)
+    assert generated.returncode == 0, generated.stderr
+    assert "Bayes-optimal holdout AUC" in generated.stdout
+    assert (tmp / "data" / "_meta.json").is_file()
+    proc = ett("train", "--config", path, cwd=tmp)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "step 20/20" in proc.stdout
+    return Trained(tmp, config, path)
+
+
+def test_help_names_every_subcommand(tmp_path: Path) -> None:
+    top = ett("--help", cwd=tmp_path)
+    assert top.returncode == 0 and all(name in top.stdout for name in SUBCOMMANDS)
+    for name in SUBCOMMANDS:
+        proc = ett(name, "--help", cwd=tmp_path)
+        assert proc.returncode == 0 and f"usage: ett {name}" in proc.stdout, proc.stderr
+    user_error(ett("frobnicate", cwd=tmp_path), "invalid choice: 'frobnicate'")
+
+
+def test_generate_daily_windows_for_retrain(tmp_path: Path) -> None:
+    from flows.retrain_flow import latest_window
+
+    path = write(tiny_config(tmp_path), tmp_path / "job.yaml")
+    root = f"file://{tmp_path}/daily"
+    proc = ett("generate", "--config", path, "--daily", "3", "--url", root, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    days = sorted(p.name for p in (tmp_path / "daily").iterdir())
+    assert len(days) == 3 and all((tmp_path / "daily" / d / "_meta.json").is_file() for d in days)
+    metas = [json.loads((tmp_path / "daily" / d / "_meta.json").read_text()) for d in days]
+    assert [m["window"] for m in metas] == [d.removeprefix("dt=") for d in days]
+    assert len({m["bayes_auc"] for m in metas}) == 3  # other rows each day, one world
+    assert latest_window.fn(root).date == days[-1].removeprefix("dt=")
+    again = ett("generate", "--config", path, "--daily", "3", "--url", root, cwd=tmp_path)
+    assert again.returncode == 0 and "(0 new)" in again.stdout
+    user_error(ett("generate", "--daily", "0", cwd=tmp_path), "--daily", "greater than 0")
+    user_error(ett("generate", "--config", "nope.yaml", cwd=tmp_path), "not found: nope.yaml")
+
+
+def test_train_refuses_a_bad_config_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"train": {"steps": 0}}))
+    user_error(ett("train", "--config", str(path), cwd=tmp_path), "train.steps", "bad.yaml")
+
+
+def test_report_plain_when_piped_with_plot(trained: Trained) -> None:
+    png = trained.tmp / "ett.png"
+    proc = ett("report", "tiny", "--config", trained.path, "--plot", str(png), cwd=trained.tmp)
+    assert proc.returncode == 0, proc.stderr
+    assert "== Wall-time buckets ==" in proc.stdout and "effective_training" in proc.stdout
+    assert "│" not in proc.stdout  # plain text into a pipe
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    missing = ett("report", "no-such-job", "--config", trained.path, cwd=trained.tmp)
+    user_error(missing, "no-such-job", "jobs there: tiny")
+
+
+def test_report_is_a_rich_table_in_a_terminal(trained: Trained) -> None:
+    """stdout on a pseudo-terminal: rich draws the tables."""
+    leader, follower = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"}
+    proc = subprocess.Popen(
+        [str(ETT), "report", "tiny", "--config", trained.path],
+        cwd=trained.tmp,
+        env=env,
+        stdout=follower,
+        stderr=subprocess.PIPE,
+    )
+    os.close(follower)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the child closed its end
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(leader)
+    assert proc.wait(timeout=120) == 0, proc.stderr.read() if proc.stderr else ""
+    text = out.decode(errors="replace")
+    assert "╭" in text and "effective_training" in text and "Traceback" not in text
+
+
+def test_advise(tmp_path: Path) -> None:
+    proc = ett("advise", "--blocking-s", "15", "--failures-per-day", "3", cwd=tmp_path)
+    assert proc.returncode == 0 and "929.5 s" in proc.stdout, proc.stdout + proc.stderr
+    zero = ett("advise", "--blocking-s", "15", "--failures-per-day", "0", cwd=tmp_path)
+    user_error(zero, "--failures-per-day", "greater than 0")
+    user_error(ett("advise", "--blocking-s", "15", cwd=tmp_path), "--failures-per-day")
+
+
+def test_stack_takes_flags_before_the_command(tmp_path: Path) -> None:
+    state = str(tmp_path / "stack")
+    up = ett("stack", "--state-dir", state, "--services", "s3", "up", cwd=tmp_path, timeout=300)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "S3 endpoint: http://127.0.0.1:" in up.stdout
+        status = ett("stack", "--state-dir", state, "status", cwd=tmp_path)
+        assert status.returncode == 0 and "healthy" in status.stdout, status.stdout
+        env = ett("stack", "--state-dir", state, "env", cwd=tmp_path)
+        assert "export AWS_ENDPOINT_URL_S3=http://127.0.0.1:" in env.stdout
+        again = ett("stack", "--state-dir", state, "--services", "s3", "up", cwd=tmp_path)
+        user_error(again, "already runs")
+    finally:
+        down = ett("stack", "--state-dir", state, "down", cwd=tmp_path)
+    assert down.returncode == 0 and "stopped: s3" in down.stdout
+    assert stack.running_services(state) == []
+    empty = str(tmp_path / "empty")
+    user_error(ett("stack", "--state-dir", empty, "env", cwd=tmp_path), "no stack recorded")
+    user_error(ett("stack", "--state-dir", empty, "sideways", cwd=tmp_path), "invalid choice")
+
+
+@pytest.mark.slow  # MLflow's SQLite schema, then export and validation: ~30 s
+def test_publish_the_trained_anchor(trained: Trained, request: pytest.FixtureRequest) -> None:
+    store = sqlite_store(request, trained.tmp / "mlflow-publish")
+    anchor = sorted((trained.tmp / "store" / "jobs" / "tiny" / "checkpoints").glob("step-*"))[-1]
+    proc = ett(
+        "publish",
+        "--uri",
+        f"file://{anchor}",
+        "--job-id",
+        "tiny",
+        "--tracking-uri",
+        store,
+        "--registered-model",
+        "cli-ranker",
+        cwd=trained.tmp,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["registered_model"] == "cli-ranker" and result["step"] == 20
+    user_error(ett("publish", cwd=trained.tmp), "--uri")
+    refused = ett("publish", "--uri", f"file://{trained.tmp}/nothing", cwd=trained.tmp)
+    assert refused.returncode == ExitCode.REFUSED
+    assert refused.stderr.strip().splitlines()[-1].startswith("publish refused:")
+
+
+@pytest.mark.slow  # MLflow's SQLite schema
+def test_fleet(trained: Trained, request: pytest.FixtureRequest) -> None:
+    store = sqlite_store(request, trained.tmp / "mlflow-fleet")
+    config = trained.config.model_copy(
+        update={"tracking": trained.config.tracking.model_copy(update={"mlflow_uri": store})}
+    )
+    run_id = tracking.start_job_run(config)  # what the train flow logs for a job
+    tracking.log_job_report(run_id, report_for_job(config.job_url), config.job_url)
+    out = trained.tmp / "fleet"
+    proc = ett(
+        "fleet",
+        "--tracking-uri",
+        store,
+        "--experiment",
+        "ett-pipeline",
+        "--out",
+        str(out),
+        cwd=trained.tmp,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "1 job(s) reported" in proc.stdout and "tiny" in proc.stdout
+    assert (out / "ett_trend.png").read_bytes()[:4] == b"\x89PNG"
+    user_error(ett("fleet", "--config", "nope.yaml", cwd=trained.tmp), "nope.yaml")
+
+
+def test_demo_against_a_server_that_is_down(tmp_path: Path) -> None:
+    api = f"http://127.0.0.1:{stack.free_port()}/api"
+    proc = ett("demo", cwd=tmp_path, env={"PREFECT_API_URL": api})
+    user_error(proc, f"PREFECT_API_URL={api} does not answer")
+
+
+@pytest.mark.slow  # a temporary Prefect API, two attempts and a publish: ~2 min here
+def test_demo_on_a_tiny_config(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    store = sqlite_store(request, tmp_path / "mlflow")
+    config = tiny_config(
+        tmp_path,
+        job_id="unused",  # the demo names its job demo-<time>
+        train={"steps": 20, "dense_lr": 0.02},
+        tracking={"mlflow_uri": store, "registered_model": "demo-ranker"},
+    )
+    path = write(config, tmp_path / "demo.yaml")
+    env = {"PREFECT_API_URL": None, "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    proc = ett("demo", "--config", path, "--steps", "20", cwd=tmp_path, env=env, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "== ETT report of job demo-" in proc.stdout
+    assert "published: demo-ranker version 1 (aliases: candidate, champion)" in proc.stdout
+    assert "this demo ran on a temporary API" in proc.stdout
+    assert "ChildFailedError" not in out  # torchrun's own traceback is DEBUG
+    assert "planner.stats" not in out and "[TBE=" not in out  # library dumps too

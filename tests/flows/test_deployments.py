@@ -1,0 +1,270 @@
+"""The deployments of prefect.yaml as a Prefect user meets them: a real ``prefect server``,
+``prefect deploy --all`` and a process worker whose environment sets ETT_* variables.
+
+One ``train`` deployment run, with a SIGKILL injected, whose parameters, run job variables
+and worker environment disagree, then the ``publish`` run its anchor event triggers:
+
+- which value wins (run parameters > the run's job_variables env > the worker's environment
+  > the config file), in the flow and in the torchrun ranks;
+- flow and task runs named after the job; the ETT table and MLflow link artifacts;
+- a log without library dumps or torchrun's own traceback, and lines of the ``publish``
+  loggers in the publish run's logs (PREFECT_LOGGING_EXTRA_LOGGERS);
+- publish runs one at a time (ENQUEUE), and its trigger's name and description;
+- ``ett demo`` on this stack publishes once, through the trigger.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterKey,
+    DeploymentFilter,
+    DeploymentFilterId,
+    FlowRunFilter,
+    FlowRunFilterId,
+    LogFilter,
+    LogFilterFlowRunId,
+)
+from prefect.deployments import run_deployment
+
+from infra import storage
+from infra.ledger import read_events
+from infra.settings import JobConfig, dump_config
+from tests.factories import ROOT, tiny_config, write_dataset
+from tests.prefect_worker import deployed_worker
+
+pytestmark = pytest.mark.slow
+
+MODEL = "deployments-ranker"
+RUN_TIMEOUT_S = 420
+WORKER_ENV = {  # the worker machine's say
+    "ETT_TRAIN__STEPS": "40",
+    "ETT_TRAIN__LOG_EVERY": "4",
+    "ETT_CHECKPOINT__EVERY_STEPS": "5",
+}
+RUN_ENV = {"ETT_CHECKPOINT__EVERY_STEPS": "3"}  # the run's job_variables
+OVERRIDES = {"train": {"steps": 8}}  # the run's parameters
+
+
+@pytest.fixture(scope="module")
+def worker(
+    prefect_server: str,  # PREFECT_API_URL points at it
+    s3_server: str,  # the S3 environment of the worker
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Path]:
+    """Deployments from prefect.yaml and a process worker with WORKER_ENV; yields its log."""
+    with deployed_worker(tmp_path_factory.mktemp("worker") / "worker.log", WORKER_ENV) as log:
+        yield log
+
+
+def _final(flow_run_id: Any, worker_log: Path, timeout_s: float = RUN_TIMEOUT_S) -> Any:
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            run = client.read_flow_run(flow_run_id)
+            if run.state is not None and run.state.is_final():
+                return run
+            time.sleep(2)
+    raise AssertionError(f"run {flow_run_id} not final; worker:\n{worker_log.read_text()[-6000:]}")
+
+
+def _triggered_publish(job_id: str, worker_log: Path) -> Any:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("publish/publish")
+        only = DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+        while time.monotonic() < deadline:
+            mine = [
+                r
+                for r in client.read_flow_runs(deployment_filter=only)
+                if r.parameters.get("job_id") == job_id
+            ]
+            if mine:
+                return _final(mine[0].id, worker_log)
+            time.sleep(2)
+    raise AssertionError(f"no publish run for {job_id}; worker:\n{worker_log.read_text()[-6000:]}")
+
+
+def _logs(flow_run_id: Any, page: int = 200) -> list[Any]:
+    """Every log line of a flow run and its task runs (the API answers in pages)."""
+    only = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+    out: list[Any] = []
+    with get_client(sync_client=True) as client:
+        while batch := client.read_logs(log_filter=only, limit=page, offset=len(out)):
+            out += batch
+    return out
+
+
+@dataclass(frozen=True)
+class Job:
+    config: JobConfig
+    train: Any  # the train flow run
+    publish: Any  # the publish flow run its anchor event triggered
+    mlflow_uri: str
+
+
+@pytest.fixture(scope="module")
+def job(worker: Path, mlflow_server: str, tmp_path_factory: pytest.TempPathFactory) -> Job:
+    tmp = tmp_path_factory.mktemp("deployments")
+    config = tiny_config(  # what the config file says
+        tmp,
+        job_id=f"dep-{uuid.uuid4().hex[:6]}",
+        storage={"root": f"s3://ett/deployments-{uuid.uuid4().hex[:8]}"},
+        train={"steps": 30, "log_every": 10, "dense_lr": 0.02},
+        checkpoint={"every_steps": 10},
+        tracking={"mlflow_uri": mlflow_server, "registered_model": MODEL},
+    )
+    write_dataset(config)
+    dump_config(config, tmp / "job.yaml")
+    run = run_deployment(
+        "train/train",
+        parameters={
+            "config": str(tmp / "job.yaml"),
+            "overrides": OVERRIDES,
+            "faults": [{"kind": "sigkill", "step": 5, "attempt": 0}],
+            "backoff_s": 1.0,
+        },
+        job_variables={"env": RUN_ENV},
+        timeout=0,
+        as_subflow=False,
+    )
+    train = _final(run.id, worker)
+    assert train.state.is_completed(), f"{train.state}; worker:\n{worker.read_text()[-8000:]}"
+    return Job(config, train, _triggered_publish(config.job_id, worker), mlflow_server)
+
+
+def test_run_parameters_win_over_the_worker_environment(job: Job) -> None:
+    storage.configure(job.config.storage)
+    events = [e for e in read_events(job.config.job_url) if e.rank == 0]
+    steps = sorted({e.step for e in events if e.name == "train_step"})
+    assert steps == list(range(1, 9))  # overrides: 8, not the worker's 40 or the file's 30
+    committed = sorted({e.step for e in events if e.name == "checkpoint_committed"})
+    assert {3, 6, 8} <= set(committed) and not {5, 10} & set(committed)  # job_variables: 3
+    messages = [log.message for log in _logs(job.train.id)]
+    assert any("step 4/8" in m for m in messages)  # the worker's log_every 4, not the file's 10
+    assert not any("step 5/8" in m or "step 10/" in m for m in messages)
+
+
+def test_runs_are_named_after_the_job(job: Job) -> None:
+    job_id = job.config.job_id
+    assert job.train.name == f"train-{job_id}"
+    assert job.publish.name == f"publish-{job_id}-step-8"
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[job.train.id]))
+        )
+    names = {r.name for r in runs}
+    assert {f"{job_id}-attempt-0", f"{job_id}-attempt-1"} <= names, names
+
+
+def test_the_train_run_shows_the_ett_table_and_links_mlflow(job: Job) -> None:
+    job_id = job.config.job_id
+    with get_client(sync_client=True) as client:
+        table, link = (
+            client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))
+            )[0]
+            for key in (f"ett-buckets-{job_id}", f"mlflow-run-{job_id}")
+        )
+    assert table.type == "table" and table.flow_run_id == job.train.id
+    rows = table.data if isinstance(table.data, list) else json.loads(table.data)
+    buckets = {row["bucket"]: row for row in rows}
+    assert buckets["effective_training"]["seconds"] > 0 and buckets["recovery"]["seconds"] > 0
+    assert link.flow_run_id == job.train.id  # Prefect stores a link as markdown [text](url)
+    assert link.data.startswith(f"[MLflow run of job {job_id}]({job.mlflow_uri}/#/experiments/")
+    from mlflow import MlflowClient
+
+    run = MlflowClient(job.mlflow_uri).search_runs(
+        [MlflowClient(job.mlflow_uri).get_experiment_by_name("ett-pipeline").experiment_id],
+        f"tags.`ett.job_id` = '{job_id}' AND tags.`ett.kind` = 'job'",
+    )[0]
+    assert link.data.endswith(f"/runs/{run.info.run_id})")
+
+
+def test_logs_are_quiet_and_the_publish_loggers_reach_the_run(job: Job) -> None:
+    messages = [log.message for log in _logs(job.train.id)]
+    assert any("exitcode  : -9" in m for m in messages)  # torchrun's summary: kept
+    assert not any("ChildFailedError" in m or "Traceback" in m for m in messages)
+    assert not any("planner.stats" in m or "[TBE=" in m for m in messages)  # dumps: DEBUG
+    assert job.publish.state.is_completed(), job.publish.state
+    publish_loggers = {log.name for log in _logs(job.publish.id)}
+    assert {"publish.load", "publish.export"} <= publish_loggers, publish_loggers
+
+
+def test_publish_runs_one_at_a_time(worker: Path) -> None:
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("publish/publish")
+    assert deployment.global_concurrency_limit is not None
+    assert deployment.global_concurrency_limit.limit == 1
+    assert deployment.concurrency_options.collision_strategy == "ENQUEUE"
+    runs = [  # two publishes at once (of nothing: each fails fast after it starts)
+        run_deployment(
+            "publish/publish",
+            parameters={"uri": f"file:///nonexistent/{i}", "job_id": f"enqueue-{i}"},
+            timeout=0,
+            as_subflow=False,
+        )
+        for i in range(2)
+    ]
+    final = [_final(r.id, worker) for r in runs]
+    with get_client(sync_client=True) as client:
+        waited = [
+            any(s.name == "AwaitingConcurrencySlot" for s in client.read_flow_run_states(r.id))
+            for r in final
+        ]
+    assert waited.count(True) >= 1, "neither run waited for the other"
+    first, second = sorted(final, key=lambda r: r.start_time)
+    assert first.end_time <= second.start_time  # never both running
+
+
+def test_the_publish_trigger_has_a_name_and_a_description(worker: Path) -> None:
+    with get_client(sync_client=True) as client:
+        (automation,) = client.read_automations_by_name("publish-anchor-checkpoint")
+    assert "anchor checkpoint" in automation.description
+    assert automation.trigger.expect == {"ett.checkpoint.anchor.committed"}
+
+
+def test_demo_on_a_running_stack_lets_the_trigger_publish(
+    worker: Path, mlflow_server: str, tmp_path: Path
+) -> None:
+    """`ett demo` with PREFECT_API_URL set: one publish, the triggered deployment run's."""
+    model = "demo-stack-ranker"
+    config = tiny_config(
+        tmp_path,
+        train={"steps": 20, "dense_lr": 0.02},
+        tracking={"mlflow_uri": mlflow_server, "registered_model": model},
+    )
+    dump_config(config, tmp_path / "demo.yaml")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("ett")), "demo", "--config", "demo.yaml"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:] + worker.read_text()[-4000:]
+    assert "the anchor event triggers the publish/publish deployment" in proc.stdout
+    assert f"published: {model} version 1 (aliases: candidate, champion)" in proc.stdout
+    assert "Prefect UI: http://127.0.0.1:" in proc.stdout and "temporary API" not in out
+    job_id = re.search(r"training job (demo-\d{8}-\d{6})", proc.stdout).group(1)
+    from mlflow import MlflowClient
+
+    versions = MlflowClient(mlflow_server).search_model_versions(f"name = '{model}'")
+    assert [v.tags["job_id"] for v in versions] == [job_id]  # published once, not twice
