@@ -28,7 +28,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from infra.exit_codes import ExitCode
+from infra.exit_codes import ExitCode, name_of
 
 log = logging.getLogger("trainer.launch")
 
@@ -131,8 +131,10 @@ def run(argv: Sequence[str]) -> int:
         elastic_launch(config=config, entrypoint=entry)(*entry_args)
         return ExitCode.SUCCESS
     except ChildFailedError as exc:
-        _, failure = exc.get_first_failure()
-        return _exit_code(failure.exitcode)
+        rank, failure = exc.get_first_failure()
+        code = _exit_code(failure.exitcode)
+        log.warning("rank %d failed first: %s", rank, name_of(code))
+        return code
     except SignalException as exc:  # the agent was told to stop: its ranks' codes decide
         codes = [c for c in _RANK_EXIT_CODES.values() if c]
         log.warning("launcher stopped by %s; rank exit codes %s", exc.sigval, codes)
@@ -141,6 +143,9 @@ def run(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    # The agent's own report of a failed rank is a traceback of torch.distributed internals
+    # that says nothing about the job: one line above names the rank and its exit code.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     return run(sys.argv[1:] if argv is None else argv)
 
 
