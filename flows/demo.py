@@ -188,11 +188,12 @@ def run_demo(steps: int | None = None, nproc: int = 1, config: str | None = None
             if server:
                 print(f"no {PUBLISH_DEPLOYMENT} deployment on {server}: publishing here")
             print(f"\n== publishing the anchor {anchor['uri']} (its own flow run) ==\n", flush=True)
-            published = publish_flow(
+            published = publish_flow(  # this process is the worker: its MLflow is the job's
                 uri=anchor["uri"],
                 step=anchor["step"],
                 job_id=job_id,
                 mlflow_run_id=result["mlflow_run_id"],
+                settings={"tracking_uri": base.tracking.mlflow_uri},
             )
         t_publish = time.monotonic() - t2
 
