@@ -83,11 +83,13 @@ def outcome_of(code: int) -> Outcome:
 
 def name_of(code: int) -> str:
     """``PREEMPTED (83)``-style text for logs; unknown codes and signals are named too."""
-    if code < 0:
+    if code < 0 or code > 128:  # -9 from Popen, 137 from a shell or a launcher
+        number = -code if code < 0 else code - 128
         try:
-            return f"killed by {signal.Signals(-code).name}"
+            name = signal.Signals(number).name
         except ValueError:
-            return f"killed by signal {-code}"
+            name = f"signal {number}"
+        return f"killed by {name}" + (f" ({code})" if code > 0 else "")
     try:
         return f"{ExitCode(code).name} ({code})"
     except ValueError:

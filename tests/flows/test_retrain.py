@@ -9,7 +9,8 @@ import pytest
 from mlflow import MlflowClient
 
 from flows.retrain_flow import champion_anchor, latest_window, retrain_flow
-from infra.ledger import Ledger
+from infra import storage
+from infra.checkpoints import MANIFEST, Manifest
 from infra.settings import dump_config
 from tests.factories import tiny_config
 
@@ -57,8 +58,9 @@ def test_a_window_trained_already_is_not_trained_again(tmp_path: Path, prefect_s
     _partition(tmp_path / "daily", "2026-11-29", "_meta.json")
     config = tiny_config(tmp_path, job_id="daily-2026-11-29")
     anchor = f"{config.job_url}/checkpoints/step-000000020"
-    with Ledger(config.job_url, attempt=0) as ledger:  # what the trainer marks at the end
-        ledger.mark("anchor_committed", step=20, url=anchor)
+    # What the trainer commits at the end: the anchor's manifest.
+    manifest = Manifest(step=20, world_size=1, config_hash="h", files={}, anchor=True)
+    storage.write_text(storage.join(anchor, MANIFEST), manifest.to_json())
     _, state = _retrain(tmp_path, tmp_path / "daily")
     assert state.is_completed(), state
     assert "no new window: the newest, 2026-11-29, was trained already" in state.message

@@ -82,9 +82,11 @@ def test_config_error_never_echoes_a_secret(tmp_path: Path, data_url: str) -> No
 
 
 def test_mlflow_credentials_never_reach_a_checkpoint(tmp_path: Path, data_url: str) -> None:
-    config = job_config(tmp_path, data_url, steps=3)
-    env = {"ETT_TRACKING__MLFLOW_URI": f"http://ci:{SECRET}@127.0.0.1:9/"}
-    code, out = run_to_end(config, tmp_path, env=env)
+    # The job's own config names an MLflow server with credentials: neither the config file
+    # the ranks read nor the checkpoint's copy of it may hold them.
+    uri = f"http://ci:{SECRET}@127.0.0.1:9/"
+    config = job_config(tmp_path, data_url, steps=3, tracking={"mlflow_uri": uri})
+    code, out = run_to_end(config, tmp_path)
     assert code == ExitCode.SUCCESS, out[-3000:]
     [anchor] = committed_checkpoints(config.job_url)
     stored = storage.read_text(storage.join(anchor.url, "config.yaml"))

@@ -15,7 +15,7 @@ import pytest
 
 from infra import processes
 from infra.ett import report_for_job
-from infra.exit_codes import ExitCode, Outcome, outcome_of
+from infra.exit_codes import ExitCode, Outcome, name_of, outcome_of
 from infra.ledger import Mark, Span, next_attempt, read_events
 from infra.settings import dump_config
 from tasks.attempts import (
@@ -49,6 +49,20 @@ FAKE = str(Path(__file__).resolve().parents[1] / "fake_trainer.py")
 )
 def test_outcome_of_exit_code(code: int, expected: Outcome) -> None:
     assert outcome_of(code) == expected
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        (137, "killed by SIGKILL (137)"),
+        (-9, "killed by SIGKILL"),
+        (ExitCode.PREEMPTED, "PREEMPTED (83)"),
+        (7, "exit code 7"),
+        (128 + 200, "killed by signal 200 (328)"),
+    ],
+)
+def test_exit_codes_are_named_for_the_log(code: int, expected: str) -> None:
+    assert name_of(code) == expected
 
 
 def test_only_fatal_outcomes_stop_and_preemptions_are_not_failures() -> None:

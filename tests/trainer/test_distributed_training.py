@@ -15,7 +15,7 @@ def test_two_ranks_train_sharded_tables_and_agree(tmp_path) -> None:
     config = tiny_config(
         tmp_path,
         job_id="two-ranks",
-        train={"steps": 30, "eval_every": 15, "eval_rows": 512, "log_every": 10},
+        train={"steps": 30, "eval": "inline", "eval_every": 15, "eval_rows": 512, "log_every": 10},
         checkpoint={"mode": "off"},
     )
     write_dataset(config)

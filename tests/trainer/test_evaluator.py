@@ -45,6 +45,7 @@ def make_config(tmp_path: Path, job_id: str, **sections: Any) -> tuple[JobConfig
         **sections,
         train={
             "steps": STEPS,
+            "eval": "inline",  # the in-loop evaluation is the reference
             "eval_every": EVAL_EVERY,
             "eval_rows": EVAL_ROWS,
             "log_every": 10,
