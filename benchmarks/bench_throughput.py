@@ -60,6 +60,9 @@ VARIANTS = {
     for v in (
         Variant("default"),
         Variant("unbalanced", {"data": {"balance_ranks": False}}, min_nproc=2),
+        # A blocking all-reduce of the stop/checkpoint flags every step, instead of the
+        # deferred one read a step later (trainer/consensus.py).
+        Variant("blocking_consensus", {"train": {"step_consensus": "blocking"}}, min_nproc=2),
     )
 }
 WORKLOADS: dict[str, dict[str, dict[str, Any]]] = {

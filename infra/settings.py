@@ -157,6 +157,13 @@ class EvalMode(StrEnum):
     OFF = "off"
 
 
+class ConsensusMode(StrEnum):
+    """How ranks agree on a preemption or a clock-chosen checkpoint (trainer/consensus.py)."""
+
+    DEFERRED = "deferred"  # a non-blocking all-reduce per step, read one step later
+    BLOCKING = "blocking"  # a blocking all-reduce per step: the reference it is measured against
+
+
 class TrainConfig(_Frozen):
     """The training loop."""
 
@@ -178,6 +185,7 @@ class TrainConfig(_Frozen):
     # Init sub-stages as a dependency graph on threads (False: one after another).
     parallel_init: bool = True
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    step_consensus: ConsensusMode = Field(default=ConsensusMode.DEFERRED, strict=False)
 
     @field_validator("eval", mode="before")
     @classmethod

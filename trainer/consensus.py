@@ -7,6 +7,10 @@ blocks the others in a collective. So each step every rank posts a non-blocking 
 (MAX) of its two flags on a CPU group and reads the result posted one step earlier, which
 has long arrived: the host never waits for the slowest rank here, and all ranks act on the
 same step, one step after the flag was raised. Only rank 0's clock asks for checkpoints.
+
+``train.step_consensus: blocking`` waits for each step's all-reduce instead (ranks act on the
+same step the flag was raised): the reference that ``benchmarks/bench_throughput.py
+--variants default,blocking_consensus`` measures the deferred exchange against.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ class Agreed:
 class StepConsensus:
     """One per attempt and training thread; ``exchange`` once per step, on every rank."""
 
-    def __init__(self, world_size: int, group: dist.ProcessGroup | None) -> None:
-        self.world_size, self.group = world_size, group
+    def __init__(
+        self, world_size: int, group: dist.ProcessGroup | None, blocking: bool = False
+    ) -> None:
+        self.world_size, self.group, self.blocking = world_size, group, blocking
         self._flags: torch.Tensor | None = None
         self._work: Any = None
 
@@ -38,6 +44,10 @@ class StepConsensus:
         """Post this rank's flags; return what every rank posted at the previous step."""
         if self.world_size == 1:
             return Agreed(preempt, checkpoint)
+        if self.blocking:
+            flags = torch.tensor([int(preempt), int(checkpoint)], dtype=torch.int32)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+            return Agreed(bool(flags[0]), bool(flags[1]))
         agreed = Agreed()
         if self._work is not None:
             self._work.wait()

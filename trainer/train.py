@@ -38,6 +38,7 @@ from infra.processes import die_with_parent
 from infra.settings import (
     CheckpointMode,
     ConfigError,
+    ConsensusMode,
     EvalMode,
     JobConfig,
     load_config,
@@ -200,7 +201,8 @@ def _train(
         checkpointer.save(step, snapshot)
         policy.saved(time.perf_counter() - t0)
 
-    consensus = StepConsensus(env.world_size, parts.control_group)
+    blocking = config.train.step_consensus == ConsensusMode.BLOCKING
+    consensus = StepConsensus(env.world_size, parts.control_group, blocking)
     model_flops = record_model_flops(ledger, config, env.device, env.world_size)
     stats = LoopStats()
     step = last_saved = parts.start_step
