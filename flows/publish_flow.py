@@ -14,6 +14,7 @@ from prefect import flow, get_run_logger
 
 from flows.run_names import publish_run_name
 from tasks import publish as stages
+from tasks.artifacts import show_model_version
 
 
 def _blank(value: Any) -> Any:
@@ -47,6 +48,10 @@ def publish_flow(
         assert result is not None
     finally:
         pub.close()
+    assert pub.client is not None  # connected by prepare
+    show_model_version(
+        pub.client.tracking_uri, result.registered_model, result.version, result.job_id
+    )
     verb = "was already published as" if result.already_published else "published as"
     logger.info(
         "%s %s %s version %s (aliases: %s)",

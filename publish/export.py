@@ -268,6 +268,9 @@ def export(loaded: LoadedAnchor, example: pd.DataFrame, run_id: str, workdir: st
             input_example=example.head(EXAMPLE_ROWS),
             pip_requirements=pip_requirements(shim),
             metadata={"anchor_uri": loaded.ref.uri, "anchor_step": loaded.ref.step},
+            # The model page's "Logged from" and commit: this code, not the caller's script
+            # (Prefect's engine, or publish/__main__.py).
+            tags=tracking.source_tags("flows/publish_flow.py"),
         )
         mlflow.log_artifact(os.path.join(loaded.local_dir, "config.yaml"), "anchor")
         experiment_id = run.info.experiment_id

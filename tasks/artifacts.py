@@ -20,6 +20,10 @@ from tasks.logs import logger
 from tasks.report import artifact_key
 
 IO_TIMEOUT_S = 120  # a ledger read or an MLflow lookup; more means the service is stuck
+# MLflow's UI (3.x) opens every page in its GenAI view unless the URL or the browser's last
+# choice says otherwise; the experiment's kind tag does not decide it. Links made here open
+# the run and model pages in the model-training view (breadcrumb "Runs", not "Evaluations").
+TRAINING_VIEW = "?workflowType=machine_learning"
 
 
 def mlflow_ui(tracking_uri: str) -> str | None:
@@ -31,12 +35,16 @@ def mlflow_ui(tracking_uri: str) -> str | None:
 
 def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:
     base = mlflow_ui(tracking_uri)
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}" if base else None
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}{TRAINING_VIEW}" if base else None
 
 
 def mlflow_model_version_url(tracking_uri: str, name: str, version: str) -> str | None:
     base = mlflow_ui(tracking_uri)
-    return f"{base}/#/models/{quote(name, safe='')}/versions/{version}" if base else None
+    return (
+        f"{base}/#/models/{quote(name, safe='')}/versions/{version}{TRAINING_VIEW}"
+        if base
+        else None
+    )
 
 
 @task(name="ett-table-artifact", cache_policy=NO_CACHE, timeout_seconds=IO_TIMEOUT_S)
@@ -108,3 +116,12 @@ def show_job(job_url: str, job_id: str, run_id: str | None, tracking_uri: str) -
         mlflow_run_link(tracking_uri, run_id, job_id)
     except Exception as exc:  # noqa: BLE001
         log.warning("no link to MLflow run %s: %s", run_id, exc)
+
+
+def show_model_version(tracking_uri: str, name: str, version: str, job_id: str) -> None:
+    """The link to the model version a publish registered (or found); never raises: the
+    version is registered already, a missing link must not fail the publish."""
+    try:
+        mlflow_model_link(tracking_uri, name, version, job_id)
+    except Exception as exc:  # noqa: BLE001
+        logger().warning("no link to %s version %s: %s", name, version, exc)

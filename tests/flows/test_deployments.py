@@ -6,7 +6,8 @@ and worker environment disagree, then the ``publish`` run its anchor event trigg
 
 - which value wins (run parameters > the run's job_variables env > the worker's environment
   > the config file), in the flow and in the torchrun ranks;
-- flow and task runs named after the job; the ETT table and MLflow link artifacts;
+- flow and task runs named after the job; the ETT table and MLflow link artifacts, and the
+  publish run's link to the model version it registered;
 - a log without library dumps or torchrun's own traceback, and lines of the ``publish``
   loggers in the publish run's logs (PREFECT_LOGGING_EXTRA_LOGGERS);
 - publish runs one at a time (ENQUEUE), and its trigger's name and description;
@@ -194,7 +195,26 @@ def test_the_train_run_shows_the_ett_table_and_links_mlflow(job: Job) -> None:
         [MlflowClient(job.mlflow_uri).get_experiment_by_name("ett-pipeline").experiment_id],
         f"tags.`ett.job_id` = '{job_id}' AND tags.`ett.kind` = 'job'",
     )[0]
-    assert link.data.endswith(f"/runs/{run.info.run_id})")
+    assert link.data.endswith(f"/runs/{run.info.run_id}?workflowType=machine_learning)")
+
+
+def test_the_publish_run_links_the_model_version(job: Job) -> None:
+    job_id = job.config.job_id
+    with get_client(sync_client=True) as client:
+        (link,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"mlflow-model-{job_id}"]))
+        )
+    assert link.flow_run_id == job.publish.id
+    from mlflow import MlflowClient
+
+    (found,) = MlflowClient(job.mlflow_uri).search_model_versions(
+        f"name = '{MODEL}' AND tags.job_id = '{job_id}'"
+    )
+    version = found.version
+    assert link.data == (
+        f"[{MODEL} version {version}]({job.mlflow_uri}/#/models/{MODEL}/versions/{version}"
+        "?workflowType=machine_learning)"
+    )
 
 
 def test_logs_are_quiet_and_the_publish_loggers_reach_the_run(job: Job) -> None:

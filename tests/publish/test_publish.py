@@ -150,6 +150,8 @@ def test_two_rank_anchor_is_published_from_one_cpu_process(
     assert version.source == f"models:/{publish_run.outputs.model_outputs[0].model_id}"
     model = client.get_logged_model(registry.model_id_of(version))
     assert model.source_run_id == publish_run.info.run_id
+    for tag in ("mlflow.source.name", "mlflow.source.git.commit"):  # "Logged from" on its page
+        assert model.tags[tag] == publish_run.data.tags[tag]
     listed = json.loads(model.tags["mlflow.modelVersions"])
     assert {"name": job.registered_model, "version": int(version.version)} in listed
     # The model's page has the gate's metrics, with the rows they were measured on.
