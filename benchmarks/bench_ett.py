@@ -22,7 +22,9 @@ the SIGKILL also lands in attempt 0 and the preemption in attempt 1.
     .venv/bin/python benchmarks/bench_ett.py [--steps 5000] [--only optimized]
 
 Writes benchmarks/results/ett.json, ett.md and ett.png (the wall time of both runs by
-bucket), and prints the table.
+bucket), and prints the table. With both runs, it then feeds their ledgers to ``ett
+simulate``: the simulator's replay of each run beside what was measured (its validation) and
+the projection of both to 16,384 GPUs, in benchmarks/results/simulate/.
 """
 
 from __future__ import annotations
@@ -288,7 +290,20 @@ def main() -> int:
     (out / f"ett{suffix}.md").write_text(table + "\n")
     plot(rows, out / f"ett{suffix}.png")
     print(table)
+    if len(rows) == 2:
+        simulate(work, out / "simulate")
     return 0
+
+
+def simulate(work: Path, folder: Path) -> None:
+    """``ett simulate --baseline ... --optimized ...`` on the two runs just measured."""
+    from infra.scaling import ScalingLaws
+    from infra.simulate_report import format_text, run_simulate, write_outputs
+
+    jobs = {v: f"file://{work}/{v}/store/jobs/ett-{v}" for v in VARIANTS}
+    result = run_simulate(jobs, ScalingLaws(), days=30)
+    print(format_text(result), end="")
+    print(f"wrote {', '.join(str(p) for p in write_outputs(result, folder))}")
 
 
 if __name__ == "__main__":

@@ -67,6 +67,16 @@ def test_unreadable_manifest_is_skipped_not_fatal(job_url: str) -> None:
     assert [c.step for c in committed_checkpoints(job_url)] == [10]
 
 
+def test_retention_keeps_the_newest_eval_steps_for_the_side_evaluator(job_url: str) -> None:
+    for step in range(10, 110, 10):
+        _fake_checkpoint(job_url, step)
+    purge_old(job_url, keep_latest_k=2, eval_every=20)
+    # 100 and 90 are the latest k; 100, 80 and 60 the newest eval steps (EVAL_BACKLOG = 3).
+    assert [c.step for c in committed_checkpoints(job_url)] == [100, 90, 80, 60]
+    purge_old(job_url, keep_latest_k=2)  # no side evaluator: the latest k only
+    assert [c.step for c in committed_checkpoints(job_url)] == [100, 90]
+
+
 def test_retention_keeps_latest_k_anchor_and_inflight(job_url: str) -> None:
     _fake_checkpoint(job_url, 5, anchor=True)
     for step in (10, 20, 30, 40):

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.staging import StagingOptions
 
 from infra import processes, storage
 from infra.ledger import Ledger
-from infra.settings import CheckpointMode, JobConfig, dump_config
+from infra.settings import CheckpointMode, EvalMode, JobConfig, dump_config
 from trainer.checkpoint.manifest import (
     MANIFEST,
     CheckpointError,
@@ -508,7 +508,14 @@ class Checkpointer:
         if anchor:
             self.ledger.mark("anchor_committed", step=step, url=url)
         try:
-            purge_old(self.config.job_url, self.config.checkpoint.keep_latest_k, keep=url)
+            train = self.config.train
+            pending_eval = train.eval_every if train.eval == EvalMode.ASYNC else 0
+            purge_old(
+                self.config.job_url,
+                self.config.checkpoint.keep_latest_k,
+                keep=url,
+                eval_every=pending_eval,
+            )
         except Exception as exc:  # noqa: BLE001 - committed already; the next commit retries
             log.warning("checkpoint at step %d committed; deleting old ones failed: %s", step, exc)
 

@@ -3,6 +3,9 @@
 Never deletes the checkpoint just committed (the newest one this process verified: it
 wrote and checksummed every byte), the newest committed one, an anchor (a publisher may
 still read it), or a folder newer than the newest commit (that may be the one in flight).
+With ``train.eval: async`` the newest ``EVAL_BACKLOG`` checkpoints at eval steps are kept
+too: the side evaluator reads them while training goes on, and at the advisor's short
+interval the latest k would otherwise roll past an eval step before it is evaluated.
 Checkpoints found corrupt are quarantined by restore (manifest.quarantine), so they are not
 listed here and never take the place of a usable one among the k.
 """
@@ -16,19 +19,25 @@ from trainer.checkpoint.manifest import MANIFEST, checkpoints_url, committed_che
 
 log = logging.getLogger(__name__)
 
+EVAL_BACKLOG = 3  # eval-step checkpoints kept for the side evaluator (newest first)
 
-def purge_old(job_url: str, keep_latest_k: int, keep: str | None = None) -> list[str]:
-    """Delete committed checkpoints beyond the newest ``keep_latest_k`` (anchors and
-    ``keep`` kept) and uncommitted folders older than the newest commit. Returns the
-    deleted URLs."""
+
+def purge_old(
+    job_url: str, keep_latest_k: int, keep: str | None = None, eval_every: int = 0
+) -> list[str]:
+    """Delete committed checkpoints beyond the newest ``keep_latest_k`` (anchors, ``keep``
+    and, when ``eval_every`` > 0, the newest ``EVAL_BACKLOG`` eval-step ones kept) and
+    uncommitted folders older than the newest commit. Returns the deleted URLs."""
     committed = committed_checkpoints(job_url)
     if not committed:
         return []
     keep = keep.rstrip("/") if keep else None
+    eval_steps = [c.step for c in committed if eval_every > 0 and c.step % eval_every == 0]
+    for_eval = set(eval_steps[:EVAL_BACKLOG])
     doomed = [
         c.url
         for c in committed[max(keep_latest_k, 1) :]
-        if not c.manifest.anchor and c.url.rstrip("/") != (keep or "")
+        if not c.manifest.anchor and c.url.rstrip("/") != (keep or "") and c.step not in for_eval
     ]
     # Uncommitted folders below this step are debris; above it one may be in flight.
     newest = next((c.step for c in committed if c.url.rstrip("/") == (keep or "")), None)
