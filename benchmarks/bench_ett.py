@@ -55,6 +55,10 @@ ATTEMPTS = {"baseline": (0, 1, 2), "optimized": (0, 0, 1)}
 OUT = ROOT / "benchmarks" / "results"
 
 
+def job_url(work: Path, variant: str) -> str:
+    return f"file://{work}/{variant}/store/jobs/ett-{variant}"
+
+
 def faults(variant: str, steps: int) -> list[dict[str, Any]]:
     return [
         {"kind": kind, "step": round(share * steps), "attempt": attempt}
@@ -119,11 +123,12 @@ def run_variant(variant: str, work: Path, args: argparse.Namespace) -> dict[str,
         from flows.publish_flow import publish_flow
 
         t0 = time.monotonic()
-        publish_flow(
+        publish_flow(  # this process is the worker: its MLflow is the job's
             uri=result["anchor"]["uri"],
             step=result["anchor"]["step"],
             job_id=result["job_id"],
             mlflow_run_id=result["mlflow_run_id"],
+            settings={"tracking_uri": load_config(config=str(path)).tracking.mlflow_uri},
         )
         row["publish_after_job_s"] = round(time.monotonic() - t0, 1)
     return row
@@ -243,7 +248,12 @@ def main() -> int:
     parser.add_argument("--only", choices=VARIANTS)
     parser.add_argument("--work-dir", help="keep data and jobs here (default: a temp dir)")
     parser.add_argument("--out", default=str(OUT))
+    parser.add_argument(
+        "--report-only", action="store_true", help="only report the jobs in --work-dir again"
+    )
     args = parser.parse_args()
+    if args.report_only and not args.work_dir:
+        parser.error("--report-only needs the --work-dir of the runs")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
@@ -258,6 +268,9 @@ def main() -> int:
     rows = []
     started = time.time()
     for variant in variants:
+        if args.report_only:  # the jobs ran already under --work-dir: tables again
+            rows.append(summarize(variant, report_for_job(job_url(work, variant))))
+            continue
         if variant == "optimized":
             prewarm(work)
         rows.append(run_variant(variant, work, args))
@@ -300,7 +313,7 @@ def simulate(work: Path, folder: Path) -> None:
     from infra.scaling import ScalingLaws
     from infra.simulate_report import format_text, run_simulate, write_outputs
 
-    jobs = {v: f"file://{work}/{v}/store/jobs/ett-{v}" for v in VARIANTS}
+    jobs = {v: job_url(work, v) for v in VARIANTS}
     result = run_simulate(jobs, ScalingLaws(), days=30)
     print(format_text(result), end="")
     print(f"wrote {', '.join(str(p) for p in write_outputs(result, folder))}")

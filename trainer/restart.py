@@ -55,10 +55,7 @@ class InProcessRestart:
     ) -> Resume:
         """Restore the newest committed state in place; re-raises ``exc`` to escalate."""
         rec = self.config.recovery
-        now = time.time()
-        self.ledger.mark(
-            Mark.IN_PROCESS_RESTART, step=failed_step, error=f"{type(exc).__name__}: {exc}"[:300]
-        )
+        now, failed_at = time.time(), self.ledger.clock()
         if not rec.in_process_restart:
             raise exc
         if self.last is not None and now - self.last < rec.in_process_window_s:
@@ -85,6 +82,14 @@ class InProcessRestart:
         if resume.url is None:
             log.error("nothing committed to restore in process: failing the attempt")
             raise exc
+        # Marked once restored (an escalated exception is a process failure, not an in-process
+        # restart), at the time the step failed: the recovery starts there.
+        self.ledger.mark(
+            Mark.IN_PROCESS_RESTART,
+            step=failed_step,
+            t=failed_at,
+            error=f"{type(exc).__name__}: {exc}"[:300],
+        )
         loader.load_state_dict(resume.loader or INITIAL_POSITION)
         return resume
 
