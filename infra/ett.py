@@ -36,6 +36,9 @@ attempt's last event seen (the orchestrator's launcher_init, an inference, aside
 failure mark, when the orchestrator saw it dead; that death is the failure's ``died_at``,
 so recovery starts there. It outranks the inferred windows (recovery, startup), which would
 otherwise claim it, and yields to every observed span; it counts in Idleness%.
+
+One module on purpose: the windows, the priority sweep and the report derived from it are one
+algorithm with one invariant (the buckets partition W exactly); its spec is this docstring.
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ Event line format (version 1)::
 
 Times are Unix seconds (time.time()) so spans written by different processes of one job
 (the orchestrator and the ranks) share a clock.
+
+One module on purpose: the writer, the segmented upload, the spool recovery and the reader
+share one on-storage format (the names and offsets above), which is defined here once.
 """
 
 from __future__ import annotations

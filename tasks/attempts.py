@@ -31,6 +31,10 @@ The job's lease (infra/lease.py) is held for the whole run, so a second job with
 job id refuses to start. Every process started here is ended here: on success, failure,
 cancellation (the flow run is
 cancelled: the running attempt is preempted, with ``grace_s`` to checkpoint) or an exception.
+
+One module on purpose: launch, watch, classify and retry share the attempt's processes and
+its standby, and the lifecycle reads top to bottom here; the control channel, process-tree
+ending and exit codes are in infra/ (control.py, processes.py, exit_codes.py).
 """
 
 from __future__ import annotations

@@ -22,6 +22,11 @@ markers left by an earlier, failed try at the same step can never complete this 
 
 On SIGTERM, ``emergency_save`` holds the whole save (finishing the in-flight one, the new
 save, the commit) to ``checkpoint.preemption_budget_s``.
+
+One module on purpose: save, commit, emergency save and restore share the nonce, the spool
+and the in-flight state of one checkpoint; the manifest format, retention, staging and the
+interval policy live beside it (manifest.py, retention.py, staging.py, interval.py,
+restore.py, state.py).
 """
 
 from __future__ import annotations
