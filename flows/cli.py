@@ -236,7 +236,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     """Validate measured jobs against the model, then project them to many GPUs."""
     from infra import storage
     from infra.scaling import ScalingLaws
-    from infra.simulate_report import format_text, run_simulate, write_outputs
+    from infra.simulate_report import run_simulate, tables, write_outputs
+    from infra.tables import show
 
     config = _config(args)
     storage.configure(config.storage)
@@ -259,7 +260,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         out = run_simulate(
             jobs, laws, args.days, args.tolerance, args.runs, args.seed, args.validate
         )
-        print(format_text(out), end="")
+        show(tables(out))
         print(f"wrote {', '.join(str(p) for p in write_outputs(out, args.out))}")
     except (ValueError, OSError) as exc:
         print(f"ett simulate: {exc}", file=sys.stderr)

@@ -19,6 +19,7 @@ from infra.ett import EttReport, report_for_job
 from infra.projection import Projection, gpu_grid, project
 from infra.scaling import TABLE_GPUS, ScalingLaws
 from infra.simulate import JobModel, Validation, validate
+from infra.tables import to_text
 
 Table = tuple[str, list[str], list[list[str]]]  # (title, header, rows)
 COLORS = ("#d62728", "#2ca02c", "#1f77b4", "#9467bd", "#ff7f0e")
@@ -165,14 +166,8 @@ def tables(out: SimulateOutput) -> list[Table]:
 
 
 def format_text(out: SimulateOutput) -> str:
-    lines: list[str] = []
-    for title, header, rows in tables(out):
-        lines.append(f"== {title} ==")
-        widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=True)]
-        for row in [header, ["-" * w for w in widths], *rows]:
-            lines.append("  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)).rstrip())
-        lines.append("")
-    return "\n".join(lines).rstrip() + "\n"
+    """Plain aligned tables (infra/tables.py), for pipes and logs."""
+    return to_text(tables(out))
 
 
 def to_markdown(out: SimulateOutput) -> str:
