@@ -33,7 +33,7 @@ from infra.tracking import holdout_dataset
 from publish import serving
 from publish.settings import PublishError, PublishSettings
 from trainer.data.batch import Batch
-from trainer.data.loader import holdout_batches
+from trainer.data.sequential import holdout_batches
 from trainer.evaluation import auc_and_logloss, predict
 
 METRIC_PREFIX = "publish."

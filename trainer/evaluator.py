@@ -55,7 +55,8 @@ from infra.settings import ConfigError, JobConfig, load_config
 from trainer.checkpoint.manifest import CheckpointError, CommittedCheckpoint, committed_checkpoints
 from trainer.checkpoint.restore import fetch
 from trainer.data.batch import Batch
-from trainer.data.loader import DataError, holdout_batches
+from trainer.data.decode import DataError
+from trainer.data.sequential import holdout_batches
 from trainer.evaluation import evaluate
 from trainer.unsharded import cpu_model, load_model_weights
 

@@ -54,14 +54,13 @@ from trainer.checkpoint.retention import purge_uncommitted
 from trainer.checkpoint.state import app_state, apply_loaded
 from trainer.data.balance import make_balancer
 from trainer.data.batch import Batch
-from trainer.data.loader import TrainLoader, holdout_batches
+from trainer.data.loader import START_POSITION, TrainLoader
+from trainer.data.sequential import holdout_batches
 from trainer.distributed import DistEnv, build_train_module, init_process_group, select_device
 from trainer.faults import FaultInjector
 from trainer.stage_graph import Stage, run_stages
 
 log = logging.getLogger(__name__)
-
-INITIAL_POSITION = {"epoch": 0, "shard_pos": 0, "row_offset": 0}
 
 
 class InitStage(StrEnum):
@@ -357,7 +356,7 @@ class Initializer:
             self.loader.stats["rows"] -= len(self.pending)
             self.loader.stats["batches"] -= 1
         log.info("first batch re-fetched: restore resumed at step %d", resume.step)
-        self.loader.load_state_dict(resume.loader or INITIAL_POSITION)
+        self.loader.load_state_dict(resume.loader or START_POSITION)
         self.batches = iter(self.loader)
         self.pending = next(self.batches) if resume.step < self.config.train.steps else None
 

@@ -49,7 +49,7 @@ from trainer.checkpoint.manifest import CheckpointError
 from trainer.checkpoint.state import app_state
 from trainer.consensus import StepConsensus
 from trainer.data.batch import Batch
-from trainer.data.loader import DataError
+from trainer.data.decode import DataError
 from trainer.evaluation import evaluate
 from trainer.flops import record_model_flops
 from trainer.init_stages import Components, Initializer, StandbyReleased
