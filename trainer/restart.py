@@ -31,7 +31,7 @@ from infra.settings import JobConfig
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.data.loader import START_POSITION, TrainLoader
 from trainer.distributed import DistEnv
-from trainer.init_stages import Resume, restore_model
+from trainer.resume import Resume, restore_model
 
 log = logging.getLogger(__name__)
 
