@@ -154,9 +154,10 @@ def cmd_report(args: argparse.Namespace) -> int:
         from mlflow.exceptions import MlflowException
 
         from infra import tracking
+        from infra.run_metadata import redact_url
 
         job = config.model_copy(update={"job_id": job_url.rstrip("/").rsplit("/", 1)[-1]})
-        where = tracking.redact_url(config.tracking.mlflow_uri)
+        where = redact_url(config.tracking.mlflow_uri)
         try:
             run_id, _ = tracking.log_job(job, job_url=job_url)
         except MlflowException as exc:

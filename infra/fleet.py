@@ -21,7 +21,9 @@ from typing import Any
 
 from mlflow import MlflowClient
 
-from infra.tracking import JOB_ID_TAG, KIND_TAG, METRIC_PREFIX, redact_url
+from infra.ett_metrics import METRIC_PREFIX
+from infra.run_metadata import redact_url
+from infra.tracking import JOB_ID_TAG, KIND_TAG
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ import pandas as pd
 import torch
 from mlflow.data.meta_dataset import MetaDataset
 
+from infra.run_metadata import holdout_dataset
 from infra.settings import JobConfig
-from infra.tracking import holdout_dataset
 from publish import serving
 from publish.settings import PublishError, PublishSettings
 from trainer.data.batch import Batch
