@@ -201,10 +201,11 @@ def cmd_fleet(args: argparse.Namespace) -> int:
 
 def cmd_stack(args: argparse.Namespace) -> int:
     from infra import stack
+    from infra.servers import StackError
 
     try:
         return stack.run(args)
-    except (stack.StackError, TimeoutError) as exc:
+    except (StackError, TimeoutError) as exc:
         raise UserError(str(exc).splitlines()[0]) from exc
 
 
