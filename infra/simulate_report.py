@@ -16,9 +16,10 @@ from typing import Any
 
 from infra.advisor import DAY_S
 from infra.ett import EttReport, report_for_job
+from infra.job_model import JobModel
 from infra.projection import Projection, gpu_grid, project
 from infra.scaling import TABLE_GPUS, ScalingLaws
-from infra.simulate import JobModel, Validation, validate
+from infra.simulate import Validation, validate
 
 Table = tuple[str, list[str], list[list[str]]]  # (title, header, rows)
 COLORS = ("#d62728", "#2ca02c", "#1f77b4", "#9467bd", "#ff7f0e")
