@@ -19,9 +19,10 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from flows import PROJECT_LOGGERS
+from infra.config_sources import ConfigError
 from infra.exit_codes import ExitCode
 from infra.library_logs import quiet_library_dumps
-from infra.settings import ConfigError, JobConfig, dump_config, load_config
+from infra.settings import JobConfig, dump_config, load_config
 
 log = logging.getLogger("ett")
 

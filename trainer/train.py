@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from infra import storage
+from infra.config_sources import ConfigError
 from infra.control import Phase, RankControl
 from infra.exit_codes import ExitCode
 from infra.lease import JobLocked, trainer_lease
@@ -37,7 +38,6 @@ from infra.library_logs import quiet_library_dumps
 from infra.processes import die_with_parent
 from infra.settings import (
     CheckpointMode,
-    ConfigError,
     EvalMode,
     JobConfig,
     load_config,
