@@ -69,8 +69,8 @@ def _servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     The first fixture set up is torn down last, so its finalizer stops them all."""
     stash = request.session.stash
     if _SERVERS not in stash:
-        servers = stash[_SERVERS] = _Servers(tmp_path_factory.mktemp("servers"))
-        request.addfinalizer(servers.stop_all)
+        session = stash[_SERVERS] = _Servers(tmp_path_factory.mktemp("servers"))
+        request.addfinalizer(session.stop_all)
         wanted = {
             name
             for item in request.session.items
@@ -80,7 +80,7 @@ def _servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         }
         for name in servers.SERVICES:  # s3 first: mlflow's artifact store
             if name in wanted:
-                servers.launch(name)
+                session.launch(name)
     return stash[_SERVERS]
 
 
