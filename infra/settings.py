@@ -167,8 +167,8 @@ class TrainConfig(_Frozen):
     log_every: int = Field(default=50, ge=1)
     seed: int = 0
     # torch.compile the dense interaction (trainer/compiled.py); False trains eagerly.
-    # The first job under a storage root compiles cold (the demo model: ~50 s on 2 CPU
-    # cores); later jobs and restarted attempts load the shared cache below (~0.12x).
+    # The first job under a storage root compiles cold; later jobs and restarted attempts
+    # load the shared cache below instead (benchmarks/bench_startup.py measures both).
     compile: bool = True
     # Shared compile cache (trainer/compile_cache.py): loaded before compiling, saved after.
     compile_cache: bool = True
