@@ -55,7 +55,7 @@ from torch.distributed._shard.sharded_tensor import (  # noqa: E402
     init_from_local_shards,
 )
 
-from infra import stack, storage  # noqa: E402
+from infra import servers, storage  # noqa: E402
 from infra.ledger import Ledger, read_events  # noqa: E402
 from infra.settings import JobConfig, load_config  # noqa: E402
 from trainer.checkpoint.checkpointer import Checkpointer  # noqa: E402
@@ -195,7 +195,7 @@ def bench_mode(
 @contextlib.contextmanager
 def process_group() -> Iterator[dist.ProcessGroup]:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(stack.free_port()))
+    os.environ.setdefault("MASTER_PORT", str(servers.free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         yield dist.new_group(backend="gloo")  # the trainer's checkpoint group
@@ -206,12 +206,13 @@ def process_group() -> Iterator[dist.ProcessGroup]:
 @contextlib.contextmanager
 def s3_endpoint(state_dir: str) -> Iterator[str]:
     """A moto S3 server on a free loopback port with the bucket ``ett``."""
-    os.environ.update(stack.LOCAL_AWS_ENV)
-    service = stack.start("s3", state_dir)
+    os.environ.update(servers.LOCAL_AWS_ENV)
+    service = servers.launch("s3", state_dir)
+    servers.wait_ready(service)
     try:
         yield service.url
     finally:
-        stack.stop([service.pid])
+        servers.stop([service.pid])
 
 
 def run(args: argparse.Namespace) -> list[Row]:

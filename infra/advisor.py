@@ -2,9 +2,10 @@
 
 Checkpointing every tau seconds of training costs C/tau of the time in blocking, and a failure
 loses on average tau/2 of unsaved training, i.e. tau/(2 * MTBF) of the time: the sum is
-smallest at tau* (DESIGN.md, blog: C = 15 s, 3 failures/day -> ~930 s, ~3.2% waste). With async
-checkpoints C is only the blocking (staging) part, and since at most one upload is in flight the
-interval must also be at least the upload time, or the next save waits for the previous one.
+smallest at tau* (for example C = 15 s and 3 failures a day give tau* ~ 930 s and ~3.2%
+waste). With async checkpoints C is only the blocking (staging) part, and since at most one
+upload is in flight the interval must also be at least the upload time, or the next save waits
+for the previous one.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import numpy as np
 
 from infra import tables
 from infra.ett import BUCKETS, EttReport
+from infra.figures import pyplot, save_png
 from infra.mfu import MfuReport
 
 TIMELINE_BINS = 2000  # slices of the timeline: more than the figure's pixels across
@@ -178,11 +179,9 @@ def dominant_buckets(
 
 def plot_breakdown(report: EttReport, path: str | Path) -> Path:
     """PNG: a stacked bar of the buckets (% of W) over a timeline of the partition."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.colors import to_rgb
+
+    plt = pyplot()
 
     fig, (bar, line) = plt.subplots(
         2, 1, figsize=(10, 4.2), gridspec_kw={"height_ratios": [1, 1.6]}
@@ -221,9 +220,4 @@ def plot_breakdown(report: EttReport, path: str | Path) -> Path:
     line.set_ylim(0.4, 2.6 + 0.5 * len(report.attempts))
     line.set_yticks([1.0], ["buckets"])
     line.set_xlabel("seconds since job start")
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_png(fig, path)

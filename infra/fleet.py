@@ -1,6 +1,6 @@
 """The fleet view: ETT of every job run of an MLflow experiment, trends and regressions.
 
-The dashboard of Meta's blog, for one experiment: the ETT% of successive jobs over time, the
+An ETT dashboard for one experiment: the ETT% of successive jobs over time, the
 distributions of Time to Start and Time to Recover, failures, unsaved (wasted) training and
 checkpoint blocking per job, and regressions flagged against the trailing median of the previous
 ``window`` jobs (e.g. Time to Start up by more than 20%, ETT% down by more than 5 points).
@@ -21,7 +21,9 @@ from typing import Any
 
 from mlflow import MlflowClient
 
-from infra.tracking import JOB_ID_TAG, KIND_TAG, METRIC_PREFIX, redact_url
+from infra.ett_metrics import METRIC_PREFIX
+from infra.run_metadata import redact_url
+from infra.tracking import JOB_ID_TAG, KIND_TAG
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from infra import tables
+from infra.figures import pyplot
 from infra.fleet import FleetSummary
 
 PLOTS = ("ett_trend", "time_to_start", "time_to_recover", "waste")
@@ -107,11 +108,7 @@ def figures(summary: FleetSummary) -> dict[str, Any]:
     no job has reported yet. The caller saves or logs them, then closes them."""
     if not summary.jobs:
         return {}
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     jobs = list(summary.jobs)
     x = [datetime.fromtimestamp(j.start_time, UTC) for j in jobs]
     flagged = {(r.run_id, r.metric) for r in summary.regressions}
@@ -181,10 +178,8 @@ def figures(summary: FleetSummary) -> dict[str, Any]:
 
 
 def close(figs: dict[str, Any]) -> None:
-    import matplotlib.pyplot as plt
-
     for fig in figs.values():
-        plt.close(fig)
+        pyplot().close(fig)
 
 
 def write_files(summary: FleetSummary, out_dir: str | Path) -> dict[str, str]:

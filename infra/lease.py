@@ -133,12 +133,7 @@ def _create_exclusive(url: str, record: LeaseRecord) -> bool:
     data = json.dumps(asdict(record)).encode()
     local = storage.local_path(url)
     if local is not None:
-        os.makedirs(os.path.dirname(local), exist_ok=True)
-        tmp = f"{local}.{record.token}.tmp"
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        tmp = storage.write_synced(local, data, f"{record.token}.tmp")
         try:
             os.link(tmp, local)  # atomic, and fails if the name exists
             return True

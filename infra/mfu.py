@@ -83,7 +83,7 @@ def _peak_key(model: str, dtype: str, threads: int) -> str:
 
 
 def measure_cpu_peak(threads: int, dtype: str = "fp32", size: int = 1024, reps: int = 8) -> float:
-    """Best FLOP/s of ``reps`` square matmuls at ``threads`` intra-op threads (~1 s)."""
+    """Best FLOP/s of ``reps`` square matmuls at ``threads`` intra-op threads."""
     import torch
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]

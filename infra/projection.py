@@ -17,8 +17,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from infra.advisor import DAY_S, Advice, optimal_interval
+from infra.job_model import JobModel
 from infra.scaling import MAX_GPUS, TABLE_GPUS, ScalingLaws
-from infra.simulate import JobModel, MonteCarloResult, monte_carlo
+from infra.simulate import MonteCarloResult, monte_carlo
 
 
 def scaled(model: JobModel, laws: ScalingLaws, gpus: int, work_s: float) -> tuple[JobModel, Advice]:

@@ -15,7 +15,8 @@ hides it). Environment variables are strings by nature, so each is read as its f
 first: ``ETT_TRAIN__STEPS=50`` sets ``train.steps`` to 50 and wins over the file.
 
 Errors never echo a credential: values of secret fields and of unknown keys are left out of
-messages, and user:password in URLs is masked.
+messages, and user:password in URLs is masked. How the file and the environment are read, and
+how a bad value is reported: infra/config_sources.py.
 """
 
 from __future__ import annotations
@@ -23,11 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
-import tomllib
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -40,24 +36,26 @@ from pydantic import (
     SecretStr,
     Strict,
     StrictInt,
-    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
 )
 from pydantic_settings import (
     BaseSettings,
-    EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     SettingsError,
-    TomlConfigSettingsSource,
-    YamlConfigSettingsSource,
 )
 
-
-class ConfigError(ValueError):
-    """A job config that cannot be used; the message names the field and the allowed values."""
+from infra.config_sources import (
+    ConfigError,
+    EnvSource,
+    config_file,
+    file_source,
+    format_errors,
+    reading,
+    redact_url,
+)
 
 
 class _Frozen(BaseModel):
@@ -176,8 +174,8 @@ class TrainConfig(_Frozen):
     log_every: int = Field(default=50, ge=1)
     seed: int = 0
     # torch.compile the dense interaction (trainer/compiled.py); False trains eagerly.
-    # The first job under a storage root compiles cold (the demo model: ~50 s on 2 CPU
-    # cores); later jobs and restarted attempts load the shared cache below (~0.12x).
+    # The first job under a storage root compiles cold; later jobs and restarted attempts
+    # load the shared cache below instead (benchmarks/bench_startup.py measures both).
     compile: bool = True
     # Shared compile cache (trainer/compile_cache.py): loaded before compiling, saved after.
     compile_cache: bool = True
@@ -280,61 +278,6 @@ class TrackingConfig(_Frozen):
     registered_model: str = "ranker"
 
 
-_CONFIG_FILE: ContextVar[Path | None] = ContextVar("ett_config_file", default=None)
-
-
-def _file_source(settings_cls: type[BaseSettings], path: Path) -> PydanticBaseSettingsSource:
-    """pydantic-settings' own YAML/TOML source for ``path``, with errors that name the file
-    (and never quote its lines: a bad line may hold a credential)."""
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    toml = path.suffix == ".toml"
-    try:
-        if toml:
-            return TomlConfigSettingsSource(settings_cls, toml_file=path)
-        return YamlConfigSettingsSource(settings_cls, yaml_file=path)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"config file {path} is not valid YAML: {exc.problem}{where}") from None
-    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
-        kind = "TOML" if toml else "YAML"
-        raise ConfigError(f"config file {path} is not valid {kind}: {exc}") from None
-    except (AttributeError, TypeError, ValueError):
-        raise ConfigError(f"config file {path} must hold a mapping at the top") from None
-
-
-class _EnvSource(EnvSettingsSource):
-    """ETT_* variables. They are strings by nature, so each value is first read as its
-    field's type (``"50"`` -> 50, ``"true"`` -> True), then validated as strictly as a file."""
-
-    def __call__(self) -> dict[str, Any]:
-        return _typed_env(self.settings_cls, super().__call__())
-
-
-def _model_of(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    return None
-
-
-def _typed_env(model: type[BaseModel], values: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in values.items():
-        field = model.model_fields.get(key)
-        sub = _model_of(field.annotation) if field is not None else None
-        if sub is not None and isinstance(value, dict):
-            out[key] = _typed_env(sub, value)
-        elif field is not None and isinstance(value, str):
-            try:
-                out[key] = TypeAdapter(field.annotation).validate_python(value)
-            except ValidationError:
-                out[key] = value  # the strict validation names the field
-        else:
-            out[key] = value
-    return out
-
-
 class JobConfig(BaseSettings):
     """Everything one training job needs; configs/example.yaml documents every field."""
 
@@ -368,9 +311,9 @@ class JobConfig(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Overrides (init kwargs) > environment > file: operators override a checked-in
         # config per machine without editing it, and a run's parameters override both.
-        path = _CONFIG_FILE.get()
-        file = () if path is None else (_file_source(settings_cls, path),)
-        return init_settings, _EnvSource(settings_cls), *file
+        path = config_file()
+        file = () if path is None else (file_source(settings_cls, path),)
+        return init_settings, EnvSource(settings_cls), *file
 
     @property
     def job_url(self) -> str:
@@ -399,46 +342,6 @@ class JobConfig(BaseSettings):
         return data
 
 
-_URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
-_SECRET_NAME = re.compile(r"secret|password|passwd|token|credential|access_key|api_key", re.I)
-
-
-def redact_url(text: str) -> str:
-    """``http://user:token@host/x`` -> ``http://***@host/x`` (anywhere in ``text``)."""
-    return _URL_USERINFO.sub(r"\g<scheme>***@", text)
-
-
-def _shown_input(err: Any) -> str:
-    """What a config error may show of the bad value: scalars only, never the value of a
-    secret-looking field or of an unknown key (a misspelt ``s3_secret_key`` holds one)."""
-    value = err.get("input")
-    names = " ".join(str(p) for p in err["loc"])
-    if err["type"] == "extra_forbidden" or _SECRET_NAME.search(names):
-        return ""
-    if isinstance(value, str):
-        return f" (got {redact_url(value)[:80]!r})"
-    if value is None or isinstance(value, bool | int | float):
-        return f" (got {value!r})"
-    return ""
-
-
-def _format_errors(exc: ValidationError, source: str) -> str:
-    lines = [f"invalid job config ({source}):"]
-    for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "<root>"
-        lines.append(f"  {field}: {redact_url(err['msg'])}{_shown_input(err)}")
-    return "\n".join(lines)
-
-
-@contextmanager
-def _reading(path: Path | None) -> Iterator[None]:
-    token = _CONFIG_FILE.set(path)
-    try:
-        yield
-    finally:
-        _CONFIG_FILE.reset(token)
-
-
 def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> JobConfig:
     """Load a job config from a YAML/TOML file (or the embedded defaults when None).
 
@@ -448,10 +351,10 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
     """
     source = str(path) if path is not None else "embedded defaults"
     try:
-        with _reading(Path(path) if path is not None else None):
+        with reading(Path(path) if path is not None else None):
             return JobConfig(**overrides)
     except ValidationError as exc:
-        raise ConfigError(_format_errors(exc, source)) from None
+        raise ConfigError(format_errors(exc, source)) from None
     except SettingsError as exc:  # an ETT_* variable that is not valid JSON where JSON is due
         raise ConfigError(
             f"invalid job config (environment): {exc}; lists and sections given in one "
@@ -463,11 +366,11 @@ def load_resolved(path: str | os.PathLike[str]) -> JobConfig:
     """A config that ``dump_config`` wrote for the processes of one job (the torchrun ranks).
     It was resolved already, environment included, so its values win over ETT_* variables;
     those only fill what it leaves out: credentials, which are never written to it."""
-    data = _file_source(JobConfig, Path(path))()
+    data = file_source(JobConfig, Path(path))()
     try:
         return JobConfig(**data)
     except ValidationError as exc:
-        raise ConfigError(_format_errors(exc, str(path))) from None
+        raise ConfigError(format_errors(exc, str(path))) from None
 
 
 def dump_config(config: JobConfig, path: str | os.PathLike[str]) -> None:

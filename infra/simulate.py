@@ -1,13 +1,14 @@
 """What-if simulator: replay a job under another checkpoint interval or blocking time.
 
-The model (all times in seconds). The job needs ``work_s`` of training progress. Every
-``interval_s`` of progress it checkpoints: training stops for ``blocking_s`` (sync: the whole
-save; async: staging only), then the upload runs for ``upload_s`` in the background and the
-checkpoint is committed when it ends. At most one upload is in flight, so when the interval is
-shorter than the upload the next checkpoint first waits for the previous one (counted as
-blocking). Checkpoints fall at multiples of ``interval_s`` of the job's progress (every N
-steps), also after a preemption resumed between two of them. Eval and gaps between steps
-cost ``loop_overhead`` wall seconds per trained second.
+The model (all times in seconds; infra/job_model.py). The job needs ``work_s`` of training
+progress. Every ``interval_s`` of progress it checkpoints: training stops for ``blocking_s``
+(sync: the whole save; async: staging only), then the upload runs for ``upload_s`` in the
+background and the checkpoint is committed when it ends. At most one upload is in flight, so
+when the interval is shorter than the upload the next checkpoint first waits for the previous
+one (counted as blocking). Checkpoints fall at multiples of ``interval_s`` of the job's
+progress (every N steps), also after a preemption resumed between two of them. Eval and gaps
+between steps cost ``loop_overhead`` wall seconds per trained second (infra/checkpoint_cycles.py
+has the closed forms of these cycles).
 A failure loses the progress since the last *committed* checkpoint, except a preemption,
 which saves at the step boundary before it exits and loses nothing; the job then spends its
 restart cost (detection, scheduling, init, restore; per failure kind when measured) before
@@ -17,141 +18,25 @@ training again. The first attempt spends ``startup_s`` before its first step and
 ``replay`` is deterministic for a given failure schedule; ``what_if`` replays an observed job's
 own failures under changed parameters, and ``validate`` sets a replay of them, placed where
 in the job each struck, beside what was measured; ``monte_carlo`` draws exponential
-schedules for an MTBF; ``steady_state_waste`` is the long-run wasted fraction (a vectorised
-renewal estimate: every restart from a committed checkpoint starts afresh), used to
-brute-force the best interval. Projecting a job to many GPUs is ``infra/projection.py``'s job.
+schedules for an MTBF. The long-run waste per interval is ``checkpoint_cycles.sweep``.
+Projecting a job to many GPUs is ``infra/projection.py``'s job.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
+from infra.checkpoint_cycles import segment, time_to_finish, time_to_reach
 from infra.ett import EttReport
-from infra.exit_codes import Outcome
+from infra.job_model import FailureEvent, JobModel
 
 # A replay that sees this many failures makes no progress (restarts outlast the MTBF).
 MAX_FAILURES = 200_000
-
-
-@dataclass(frozen=True)
-class JobModel:
-    """The parameters of one job; ``with_changes`` makes the what-if variant.
-
-    ``interval_s`` is training progress between checkpoints; ``restart_s`` is the restart cost
-    of a failure of unknown kind, ``restart_by_cause`` the measured one per failure cause.
-    """
-
-    work_s: float
-    interval_s: float
-    blocking_s: float
-    upload_s: float = 0.0
-    startup_s: float = 0.0
-    restart_s: float = 0.0
-    shutdown_s: float = 0.0
-    loop_overhead: float = 0.0
-    step_time_s: float | None = None
-    restart_by_cause: Mapping[str, float] = field(default_factory=dict)
-
-    def with_changes(self, **changes: Any) -> JobModel:
-        return dataclasses.replace(self, **changes)
-
-    def restart_for(self, cause: str) -> float:
-        return self.restart_by_cause.get(cause, self.restart_s)
-
-    @classmethod
-    def from_report(cls, report: EttReport) -> JobModel:
-        """Calibrate from an observed job: its costs per event, not its totals.
-
-        The step time is the mean kept step (effective training / steps), so the modelled
-        checkpoints fall where the real ones did. Eval and gaps are spread over every trained
-        second, redone ones included. The final anchor save is nested in the shutdown span but
-        counted as blocking, so one blocking is added to the shutdown.
-        """
-        b = report.buckets
-        work = b["effective_training"]
-        trained = work + b["wasted_training"]  # redone steps have their gaps and evals too
-        overhead = (b["eval"] + b["other"]) / trained if trained > 0 else 0.0
-        measured_block = report.checkpoint_blocking_mean_s or 0.0
-        step = work / report.num_steps if report.num_steps else report.step_time_median_s
-        if report.checkpoint_interval_steps and step:
-            interval = report.checkpoint_interval_steps * step
-        elif report.checkpoint_interval_s:
-            interval = max(report.checkpoint_interval_s - measured_block, 1e-9)
-        else:
-            interval = 2 * work + 1.0  # never checkpointed: no checkpoint ever fires
-        upload = max(report.commit_latency_s or 0.0, 0.0)
-        block = _blocking_without_waits(report, max(0.0, upload - interval * (1 + overhead)))
-        restart_s, by_cause = _restart_costs(report)
-        return cls(
-            work_s=work,
-            interval_s=interval,
-            blocking_s=block,
-            upload_s=upload,
-            startup_s=report.time_to_start_s or 0.0,
-            restart_s=restart_s,
-            shutdown_s=b["shutdown"] + (block if report.num_checkpoints_committed else 0.0),
-            loop_overhead=overhead,
-            step_time_s=step,
-            restart_by_cause=by_cause,
-        )
-
-
-def _blocking_without_waits(report: EttReport, wait_s: float) -> float:
-    """Blocking per checkpoint, without the waits for the previous upload.
-
-    When uploads outlast the interval, every checkpoint but an attempt's first waits
-    ``wait_s`` inside its blocking span; the model adds that wait itself.
-    """
-    mean = report.checkpoint_blocking_mean_s or 0.0
-    if wait_s <= 0 or mean <= 0:
-        return mean
-    count = round(report.checkpoint_blocking_total_s / mean)
-    waited = max(count - len(report.attempts), 0)
-    own = (report.checkpoint_blocking_total_s - waited * wait_s) / count
-    return own if own > 0 else mean
-
-
-def _restart_costs(report: EttReport) -> tuple[float, dict[str, float]]:
-    """Time to Recover averaged per cause, and over the unplanned failures (preemptions only
-    when there is nothing else): the cost of a failure whose kind is not given."""
-    by_cause: dict[str, list[float]] = {}
-    for f in report.failures:
-        if f.resumed_at is not None:
-            by_cause.setdefault(f.cause, []).append(f.time_to_recover_s)
-    unplanned = [t for c, ts in by_cause.items() if c != Outcome.PREEMPTED for t in ts]
-    recovered = unplanned or [t for ts in by_cause.values() for t in ts]
-    mean = float(np.mean(recovered)) if recovered else 0.0
-    return mean, {c: float(np.mean(ts)) for c, ts in sorted(by_cause.items())}
-
-
-@dataclass(frozen=True)
-class FailureEvent:
-    """One failure in a replay: when, what it costs to restart, whether progress survives.
-
-    It strikes at the wall time ``at_s`` (seconds from the job's start) or, when
-    ``at_progress_s`` is set, once the attempt has trained up to that much of the job's
-    progress (after the checkpoint due there, if any): where in the job a measured failure
-    struck, whatever the machine's speed in that attempt. ``resume_s``, when set, is the
-    progress the next attempt resumed from (the newest committed checkpoint at the failure),
-    instead of the model's own.
-    """
-
-    at_s: float
-    restart_s: float | None = None  # None: the model's restart_s
-    keeps_progress: bool = False  # a preemption saves at the step boundary before exiting
-    at_progress_s: float | None = None
-    resume_s: float | None = None
-
-    @classmethod
-    def of_cause(cls, at_s: float, cause: str, model: JobModel, **where: float) -> FailureEvent:
-        preempted = cause == Outcome.PREEMPTED
-        return cls(at_s, model.restart_for(cause), preempted, **where)
 
 
 @dataclass(frozen=True)
@@ -186,64 +71,6 @@ class MonteCarloResult:
     ett_pct_p95: float
     failures_mean: float
     wall_s_mean: float
-
-
-def segment(
-    y: float | np.ndarray,
-    tau: float,
-    c: float,
-    u: float = 0.0,
-    q: float = 0.0,
-    phase: float = 0.0,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Training for ``y`` wall seconds from a committed state until a failure (y may be an array).
-
-    Cycles are: train tau*(1+q), wait w = max(0, u - tau*(1+q)) for the previous upload (not in
-    the first cycle), block c; checkpoint k ends blocking at k*L - w and commits u later.
-    Checkpoints fall at multiples of tau of the job's progress, so a job resumed ``phase``
-    past one (after a preemption's exit save) reaches its first checkpoint sooner.
-    Returns (committed progress, training wall, blocking wall incl. upload waits).
-    """
-    a = tau * (1.0 + q)
-    ahead = phase * (1.0 + q)  # the first cycle, already trained
-    y = np.asarray(y) + ahead
-    w = max(0.0, u - a)
-    big_l = a + w + c
-    # A failure the instant a save ends (a measured one, placed at the save's end) comes
-    # after it: the tolerance (a microsecond) keeps rounding from moving it back one cycle.
-    late = y + max(1e-9 * big_l, 1e-6)
-    m = np.floor((late + w) / big_l)
-    start = np.where(m >= 1, m * big_l - w, 0.0)
-    r = y - start
-    train = m * a + np.minimum(r, a) - ahead
-    # Partial cycle: whatever of r is past its training is upload wait + blocking.
-    block = m * c + np.maximum(m - 1, 0) * w + np.clip(r - a, 0.0, None)
-    n = np.clip(np.minimum(m, np.floor((late + w - u) / big_l)), 0, None)
-    return np.maximum(n * tau - phase, 0.0), train, block
-
-
-def _wall(progress: float, k: int, tau: float, c: float, u: float, q: float) -> float:
-    """Wall time for ``progress`` of training with ``k`` checkpoints on the way."""
-    w = max(0.0, u - tau * (1.0 + q))
-    return progress * (1.0 + q) + k * c + max(0, k - 1) * w
-
-
-def time_to_finish(
-    remaining: float, tau: float, c: float, u: float = 0.0, q: float = 0.0, phase: float = 0.0
-) -> float:
-    """Wall time to make ``remaining`` progress without a failure (no checkpoint at the end)."""
-    if remaining <= 0:
-        return 0.0
-    k = max(0, math.ceil((remaining + phase) / tau - 1e-12) - 1)
-    return _wall(remaining, k, tau, c, u, q)
-
-
-def time_to_reach(
-    progress: float, tau: float, c: float, u: float = 0.0, q: float = 0.0, phase: float = 0.0
-) -> float:
-    """Wall time from a committed state to ``progress``, the checkpoints due up to it included."""
-    k = max(0, math.floor((progress + phase) / tau + 1e-9))
-    return _wall(progress, k, tau, c, u, q)
 
 
 _NEVER = FailureEvent(math.inf)  # what comes after the last failure
@@ -455,41 +282,3 @@ def monte_carlo(model: JobModel, mtbf_s: float, runs: int = 500, seed: int = 0) 
         failures_mean=float(np.mean([r.failures for r in results])),
         wall_s_mean=float(np.mean([r.wall_s for r in results])),
     )
-
-
-def steady_state_waste(
-    interval_s: float,
-    blocking_s: float,
-    mtbf_s: float,
-    upload_s: float = 0.0,
-    restart_s: float = 0.0,
-    n_failures: int = 100_000,
-    seed: int = 0,
-) -> float:
-    """Long-run fraction of wall time not turned into committed progress.
-
-    Each inter-failure gap is an independent renewal cycle (restart, then training from a
-    committed state), so 1 - sum(committed) / sum(gaps) over many gaps estimates the waste.
-    The same seed gives the same gaps for every interval (common random numbers).
-    """
-    gaps = np.random.default_rng(seed).exponential(mtbf_s, n_failures)
-    return _waste(gaps, interval_s, blocking_s, upload_s, restart_s)
-
-
-def _waste(gaps: np.ndarray, tau: float, c: float, u: float, restart_s: float) -> float:
-    done, _, _ = segment(np.maximum(gaps - restart_s, 0.0), tau, c, u)
-    return float(1.0 - done.sum() / gaps.sum())
-
-
-def sweep(
-    intervals: Iterable[float],
-    blocking_s: float,
-    mtbf_s: float,
-    upload_s: float = 0.0,
-    restart_s: float = 0.0,
-    n_failures: int = 100_000,
-    seed: int = 0,
-) -> list[tuple[float, float]]:
-    """(interval, steady-state waste) per interval, all on the same failure gaps."""
-    gaps = np.random.default_rng(seed).exponential(mtbf_s, n_failures)
-    return [(i, _waste(gaps, i, blocking_s, upload_s, restart_s)) for i in intervals]

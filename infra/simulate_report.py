@@ -16,9 +16,11 @@ from typing import Any
 
 from infra.advisor import DAY_S
 from infra.ett import EttReport, report_for_job
+from infra.figures import pyplot, save_png
+from infra.job_model import JobModel
 from infra.projection import Projection, gpu_grid, project
 from infra.scaling import TABLE_GPUS, ScalingLaws
-from infra.simulate import JobModel, Validation, validate
+from infra.simulate import Validation, validate
 from infra.tables import to_text
 
 Table = tuple[str, list[str], list[list[str]]]  # (title, header, rows)
@@ -204,12 +206,7 @@ def to_dict(out: SimulateOutput) -> dict[str, Any]:
 # -- plot ----------------------------------------------------------------------------------
 def plot_projection(p: Projection, path: str | Path) -> Path:
     """PNG: ETT% against N (log scale), one line per job with its p5-p95 band."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.6))
+    fig, ax = pyplot().subplots(figsize=(8, 4.6))
     gpus = [r.gpus for r in p.rows]
     for i, label in enumerate(p.labels):
         color = COLORS[i % len(COLORS)]
@@ -242,12 +239,7 @@ def plot_projection(p: Projection, path: str | Path) -> Path:
     )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_png(fig, path)
 
 
 def write_outputs(out: SimulateOutput, folder: str | Path) -> list[Path]:

@@ -121,18 +121,24 @@ def read_bytes(url: str) -> bytes:
     return call(f"read {url}", lambda: fs.cat_file(path))
 
 
+def write_synced(path: str, data: bytes, suffix: str) -> str:
+    """``data`` in the local file ``{path}.{suffix}`` (its folder made), flushed to disk: a
+    file to rename or link into place, so that readers never see half of it."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{suffix}"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return tmp
+
+
 def write_bytes(url: str, data: bytes) -> None:
     """Write a whole object; on local disk via a temp file + rename so readers never see
     half a file (S3 PUTs are atomic already)."""
     fs, path = split(url)
     if local_path(url) is not None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        os.replace(write_synced(path, data, f"tmp-{os.getpid()}"), path)
         return
     call(f"write {url}", lambda: fs.pipe_file(path, data))
 

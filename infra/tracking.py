@@ -7,52 +7,34 @@ run per attempt, a fleet run per experiment for the fleet report.
 
 Everything a job's run holds is derived from the job's ledger, so ``log_job`` can log a job
 whole, later: a job that ran while MLflow was down is logged at the end of its flow or with
-``ett report --log JOB``. Every call builds its own ``MlflowClient(tracking_uri=...)`` (nothing
-global), and every HTTP call is bounded (``bound_http_calls``): a dead tracking server costs a
-job seconds, not MLflow's default of minutes of retries.
-
-Names: ETT metrics are ``ett.*`` (``ett.ett_pct``, ``ett.bucket_<bucket>_s``, the L2 shares
-``ett.bucket_<bucket>_pct``, ``ett.time_to_recover_s`` by failure index, ``ett.init.<stage>_s``
-by attempt, ...). Curves by training step: ``trainer.loss`` and the trainer's own holdout
-evaluation ``trainer.holdout_auc`` / ``trainer.holdout_logloss`` (on the first
-``train.eval_rows`` holdout rows; the publish gate's ``publish.holdout_*`` are on fewer rows, see
-docs/publishing.md). Tags are ``ett.*`` plus MLflow's own (source, git commit, description).
-Credentials are never logged: params come from ``config.public_dict()``, secret-looking keys
-and the config's secret values are dropped, and user:password parts of URLs are stripped.
+``ett report --log JOB``. The client and its bounds are infra/mlflow_client.py's, what may be
+logged (params without credentials, source tags) infra/run_metadata.py's, the metric names
+infra/ett_metrics.py's. Tags are ``ett.*`` plus MLflow's own (source, git commit, description).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import getpass
-import hashlib
 import json
 import logging
 import math
 import os
-import re
 import tempfile
 import time
-import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
-from urllib.parse import urlsplit, urlunsplit
 
 from mlflow import MlflowClient
-from mlflow.data.dataset_source_registry import resolve_dataset_source
-from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
-from mlflow.exceptions import MlflowException
 from mlflow.utils import mlflow_tags
-from pydantic import BaseModel, SecretStr
 
-from infra import storage
 from infra.ett import EttReport, compute_report
+from infra.ett_metrics import eval_rows, history_metrics, report_metrics, training_curves
 from infra.ett_report import format_table, plot_breakdown, to_markdown
 from infra.ledger import Event, Mark, Span, ledger_url, read_events, read_files
+from infra.mlflow_client import client, ensure_experiment
+from infra.run_metadata import holdout_dataset, job_params, redact_url, source_tags
 from infra.settings import JobConfig
 
 log = logging.getLogger(__name__)
@@ -65,35 +47,8 @@ ATTEMPT_TAG = "ett.attempt"
 OUTCOME_TAG = "ett.outcome"
 EXIT_CODE_TAG = "ett.exit_code"
 PARENT_TAG = mlflow_tags.MLFLOW_PARENT_RUN_ID
-METRIC_PREFIX = "ett."
-# The experiment's kind, read by MLflow's UI (3.x) to choose its layout; without it an
-# experiment with no runs yet opens as a GenAI project (traces overview).
-EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
-MODEL_TRAINING = "custom_model_development"
 FLEET_RUN_NAME = "fleet-report"
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SECRET_WORDS = ("secret", "password", "passwd", "token", "access_key", "credential", "api_key")
-# MLflow's own limits (mlflow.utils.validation): longer params are cut, longer keys dropped.
-MAX_PARAM_LEN = 6000
-MAX_KEY_LEN = 250
-# Every tracking HTTP call: give up after this many seconds without an answer, retry this
-# often with this backoff factor (urllib3: 0, 2, 4 s ...). MLflow's defaults (120 s, 7
-# retries, factor 2) let one call to a dead server stall a job for minutes. An operator's
-# own MLFLOW_HTTP_REQUEST_* variables win.
-HTTP_DEFAULTS = {
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-}
-# Ledger span attribute -> metric key, per span name: the training curves of a job's run.
-CURVES: dict[str, dict[str, str]] = {
-    Span.TRAIN_STEP: {"loss": "trainer.loss"},
-    Span.EVAL: {"auc": "trainer.holdout_auc", "logloss": "trainer.holdout_logloss"},
-    # The side evaluator (train.eval: async) scores the same rows from each eval checkpoint.
-    Span.ASYNC_EVAL: {"auc": "trainer.holdout_auc", "logloss": "trainer.holdout_logloss"},
-}
 
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _run_uris: dict[str, str] = {}  # run id -> tracking URI, for runs started by this process
 
 
@@ -121,20 +76,6 @@ class LedgerAttempt:
     last_step: int | None
 
 
-# -- connections ------------------------------------------------------------------------------
-def bound_http_calls() -> None:
-    """Bound every MLflow HTTP call of this process (see HTTP_DEFAULTS). MLflow reads these
-    variables on each request, so this also reaches clients made before it."""
-    for key, value in HTTP_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-
-
-def client(tracking_uri: str) -> MlflowClient:
-    """A client for ``tracking_uri`` whose calls are bounded."""
-    bound_http_calls()
-    return MlflowClient(tracking_uri=tracking_uri)
-
-
 def _resolve_uri(run_id: str, tracking_uri: str | None) -> str:
     uri = tracking_uri or _run_uris.get(run_id) or os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
@@ -143,124 +84,6 @@ def _resolve_uri(run_id: str, tracking_uri: str | None) -> str:
             "(or set MLFLOW_TRACKING_URI)"
         )
     return uri
-
-
-# -- what may be logged -------------------------------------------------------------------------
-def redact_url(url: str) -> str:
-    """The URL without a user:password@ part (the rest is kept)."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
-
-
-def _secret_values(obj: Any) -> set[str]:
-    """Every SecretStr value inside a (nested) pydantic model."""
-    found: set[str] = set()
-    if isinstance(obj, SecretStr):
-        if obj.get_secret_value():
-            found.add(obj.get_secret_value())
-    elif isinstance(obj, BaseModel):
-        for name in type(obj).model_fields:
-            found |= _secret_values(getattr(obj, name))
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            found |= _secret_values(item)
-    return found
-
-
-def flatten_params(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    """Nested dicts -> dotted keys; lists as JSON; values cut to MLflow's param length."""
-    out: dict[str, str] = {}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            out.update(flatten_params(value, prefix=f"{name}."))
-            continue
-        text = json.dumps(value) if isinstance(value, (list, tuple, dict)) else str(value)
-        if len(text) > MAX_PARAM_LEN:
-            text = text[: MAX_PARAM_LEN - 14] + "...(truncated)"
-        if len(name) > MAX_KEY_LEN:
-            log.warning("param key longer than %d characters not logged: %s", MAX_KEY_LEN, name)
-            continue
-        out[name] = text
-    return out
-
-
-def job_params(config: JobConfig) -> dict[str, str]:
-    """The config as MLflow params, without credentials."""
-    secrets = _secret_values(config)
-    params = flatten_params(config.public_dict())
-    safe = {}
-    for key, value in params.items():
-        leaf = key.rsplit(".", 1)[-1].lower()
-        if any(w in leaf for w in SECRET_WORDS) or any(s in value for s in secrets):
-            continue
-        safe[key] = redact_url(value) if _URL.match(value) else value
-    return safe
-
-
-@functools.cache
-def _git_tags() -> dict[str, str]:
-    """The commit (and branch) of the code that runs, when it is a git checkout."""
-    from mlflow.utils.git_utils import get_git_branch, get_git_commit
-
-    tags = {}
-    if commit := get_git_commit(str(REPO_ROOT)):
-        tags[mlflow_tags.MLFLOW_GIT_COMMIT] = commit
-        if branch := get_git_branch(str(REPO_ROOT)):
-            tags[mlflow_tags.MLFLOW_GIT_BRANCH] = branch
-    return tags
-
-
-def source_tags(source: str) -> dict[str, str]:
-    """MLflow's source tags (the UI's Source column and its commit link) for code in
-    ``source`` (a path in this repository), and the user who ran it."""
-    tags = {
-        mlflow_tags.MLFLOW_SOURCE_TYPE: "JOB",
-        mlflow_tags.MLFLOW_SOURCE_NAME: source,
-        **_git_tags(),
-    }
-    with contextlib.suppress(KeyError, OSError):  # no user name in a bare container
-        tags[mlflow_tags.MLFLOW_USER] = getpass.getuser()
-    return tags
-
-
-def holdout_dataset(data_url: str, rows: int) -> MetaDataset:
-    """The first ``rows`` rows of a data set's holdout split as an MLflow dataset: the trainer's
-    eval and the publish gate score such prefixes of one split, named apart by their size."""
-    holdout = storage.join(data_url, "holdout")
-    digest = hashlib.sha256(f"{redact_url(holdout)}\n{rows}".encode()).hexdigest()[:16]
-    with warnings.catch_warnings():  # file:// matches two equal local sources: either will do
-        warnings.simplefilter("ignore", UserWarning)
-        source = resolve_dataset_source(redact_url(holdout))
-    return MetaDataset(source=source, name=f"holdout[:{rows}]", digest=digest)
-
-
-# -- the experiment and the job's run -------------------------------------------------------
-def ensure_experiment(ml: MlflowClient, name: str, tracking_uri: str) -> str:
-    """The experiment's id, created (or restored) if needed and marked as model training."""
-    exp = ml.get_experiment_by_name(name)
-    if exp is None:
-        location = None
-        if tracking_uri.startswith("sqlite:///"):
-            # MLflow would put artifacts in ./mlruns of whatever directory the caller runs in
-            # (Prefect workers run flows in temp dirs): keep them next to the database instead.
-            db = Path(tracking_uri[len("sqlite:///") :]).resolve()
-            location = (db.parent / "mlartifacts").as_uri()
-        try:
-            return ml.create_experiment(
-                name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING}
-            )
-        except MlflowException:  # created meanwhile by another process
-            exp = ml.get_experiment_by_name(name)
-            if exp is None:
-                raise
-    if exp.lifecycle_stage == "deleted":
-        ml.restore_experiment(exp.experiment_id)
-    if EXPERIMENT_KIND_TAG not in exp.tags:  # a user's own choice is kept
-        ml.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
-    return exp.experiment_id
 
 
 def find_job_run(ml: MlflowClient, experiment_id: str, job_id: str) -> Any | None:
@@ -425,62 +248,6 @@ def _logged_attempts(ml: MlflowClient, run_id: str) -> set[int]:
     return {int(c.data.tags[ATTEMPT_TAG]) for c in children if ATTEMPT_TAG in c.data.tags}
 
 
-# -- the report, the curves, the artifacts ------------------------------------------------------
-def report_metrics(report: EttReport) -> dict[str, float]:
-    """Scalar ETT metrics of a report, named as logged (``ett.`` prefix)."""
-    m = dict(report.to_metrics())
-    m.update({f"bucket_{k}_pct": v for k, v in report.bucket_pct().items()})
-    m.update(
-        num_attempts=float(len(report.attempts)),
-        num_steps=float(report.num_steps),
-        train_loop_s=report.train_loop_s,
-        finished=1.0 if report.finished else 0.0,
-    )
-    for name in ("checkpoint_interval_s", "commit_latency_s"):
-        if getattr(report, name) is not None:
-            m[name] = float(getattr(report, name))
-    return {f"{METRIC_PREFIX}{k}": float(v) for k, v in m.items() if math.isfinite(v)}
-
-
-def _history(report: EttReport, at: int) -> list[Metric]:
-    out = [
-        Metric(f"{METRIC_PREFIX}time_to_recover_s", f.time_to_recover_s, at, i)
-        for i, f in enumerate(report.failures)
-    ]
-    for ib in report.init:
-        values = {f"init.{k}_s": v for k, v in ib.stages.items()}
-        values["init.critical_path_s"] = ib.critical_path_s
-        if ib.wall_s is not None:
-            values["init.wall_s"] = ib.wall_s
-        out += [Metric(f"{METRIC_PREFIX}{k}", float(v), at, ib.attempt) for k, v in values.items()]
-    return out
-
-
-def training_curves(events: Iterable[Event]) -> list[Metric]:
-    """The job's curves by training step, from the ledger (see CURVES): rank 0's spans, one
-    point per step. A step that was redone after a failure keeps its last execution (by
-    attempt, then start), the one that counts, as in the ETT report. Timestamps are the spans'
-    ends, so logging the same ledger again adds nothing."""
-    latest: dict[tuple[str, int], Event] = {}
-    spans = [e for e in events if e.rank == 0 and e.name in CURVES and e.step is not None]
-    for e in sorted(spans, key=lambda e: (e.attempt, e.start)):
-        latest[(e.name, int(e.step))] = e  # type: ignore[arg-type]
-    out = []
-    for (name, step), e in sorted(latest.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        for attr, key in CURVES[name].items():
-            value = e.attrs.get(attr)
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                out.append(Metric(key, float(value), int(e.end * 1000), step))
-    return out
-
-
-def _eval_rows(events: Iterable[Event]) -> int | None:
-    evals = (Span.EVAL, Span.ASYNC_EVAL)
-    rows = [e.attrs.get("rows") for e in events if e.rank == 0 and e.name in evals]
-    found = [int(r) for r in rows if isinstance(r, (int, float))]
-    return found[-1] if found else None
-
-
 def log_job_report(
     run_id: str,
     report: EttReport,
@@ -505,10 +272,10 @@ def log_job_report(
     scalars = report_metrics(report)
     scalars.update({k: float(v) for k, v in (extra_metrics or {}).items()})
     metrics = [Metric(k, v, at, 0) for k, v in scalars.items()]
-    metrics += _history(report, at) + training_curves(events)
+    metrics += history_metrics(report, at) + training_curves(events)
     tags = {JOB_URL_TAG: redact_url(job_url), "ett.finished": str(report.finished).lower()}
     ml.log_batch(run_id, metrics=metrics, tags=[RunTag(k, v) for k, v in tags.items()])
-    rows = _eval_rows(events)
+    rows = eval_rows(events)
     if data_url and rows:
         dataset = holdout_dataset(data_url, rows)._to_mlflow_entity()
         context = InputTag(key=mlflow_tags.MLFLOW_DATASET_CONTEXT, value="eval")

@@ -43,6 +43,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils import mlflow_tags
 
 from infra import tracking
+from infra.mlflow_client import bound_http_calls, ensure_experiment
+from infra.run_metadata import source_tags
 from infra.settings import JobConfig
 from publish import serving
 from publish.load import AnchorRef, LoadedAnchor, plain_state_dict
@@ -56,7 +58,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The project code the served model imports (publish.serving and what it pulls in): the model
 # definition only, never the training loop. tests/publish checks a bare process loads it.
 SERVING_CODE = {
-    "infra": ("__init__.py", "settings.py"),
+    "infra": ("__init__.py", "settings.py", "config_sources.py"),
     "trainer": (
         "__init__.py",
         "model.py",
@@ -166,10 +168,10 @@ def stage_code(into: str) -> list[str]:
 
 def connect(tracking_uri: str) -> MlflowClient:
     """Point this process's MLflow (fluent API and pyfunc loading) at ``tracking_uri``, with
-    every HTTP call bounded (infra.tracking.bound_http_calls)."""
+    every HTTP call bounded (infra.mlflow_client.bound_http_calls)."""
     mlflow.set_tracking_uri(tracking_uri)
     mlflow.set_registry_uri(tracking_uri)
-    tracking.bound_http_calls()
+    bound_http_calls()
     return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
 
 
@@ -213,7 +215,7 @@ def open_publish_run(
     holdout_rows: int,
 ) -> tuple[str, str]:
     """Create the publish run; returns (run id, experiment id)."""
-    experiment_id = check_training_run(client, training_run_id) or tracking.ensure_experiment(
+    experiment_id = check_training_run(client, training_run_id) or ensure_experiment(
         client, config.tracking.experiment, client.tracking_uri
     )
     tags = {
@@ -221,7 +223,7 @@ def open_publish_run(
         tracking.PARENT_JOB_TAG: ref.manifest.job_id or config.job_id,
         "ett.anchor_key": ref.key,
         mlflow_tags.MLFLOW_RUN_NOTE: _description(config, ref, holdout_rows),
-        **tracking.source_tags("flows/publish_flow.py"),
+        **source_tags("flows/publish_flow.py"),
     }
     if training_run_id:
         tags[mlflow_tags.MLFLOW_PARENT_RUN_ID] = training_run_id

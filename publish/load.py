@@ -18,7 +18,8 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from infra import storage
-from infra.settings import ConfigError, JobConfig, load_config
+from infra.config_sources import ConfigError
+from infra.settings import JobConfig, load_config
 from publish.settings import PublishError
 from trainer.checkpoint.manifest import MANIFEST, CheckpointError, CommittedCheckpoint, Manifest
 from trainer.checkpoint.restore import fetch

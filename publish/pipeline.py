@@ -35,8 +35,9 @@ import mlflow
 from mlflow import MlflowClient
 
 from infra import storage
+from infra.config_sources import ConfigError
 from infra.ledger import Ledger, next_attempt
-from infra.settings import ConfigError, JobConfig, load_config
+from infra.settings import JobConfig, load_config
 from publish import export as export_mod
 from publish import registry, validate
 from publish.load import AnchorRef, LoadedAnchor, check_expected, load, read_config, resolve

@@ -28,12 +28,12 @@ import pandas as pd
 import torch
 from mlflow.data.meta_dataset import MetaDataset
 
+from infra.run_metadata import holdout_dataset
 from infra.settings import JobConfig
-from infra.tracking import holdout_dataset
 from publish import serving
 from publish.settings import PublishError, PublishSettings
 from trainer.data.batch import Batch
-from trainer.data.loader import holdout_batches
+from trainer.data.sequential import holdout_batches
 from trainer.evaluation import auc_and_logloss, predict
 
 METRIC_PREFIX = "publish."

@@ -15,7 +15,7 @@ from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from infra.ett import report_for_job
-from infra.tracking import redact_url
+from infra.run_metadata import redact_url
 from tasks.logs import logger
 from tasks.report import artifact_key
 

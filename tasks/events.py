@@ -1,6 +1,6 @@
 """The anchor checkpoint and the Prefect event that hands it to publishing.
 
-Contract (DESIGN.md): event ``ett.checkpoint.anchor.committed``, resource id
+Contract (docs/events.md): event ``ett.checkpoint.anchor.committed``, resource id
 ``ett.checkpoint.<job_id>``, payload ``{uri, step, job_id, mlflow_run_id}``. The ``publish``
 deployment's trigger in prefect.yaml matches ``ett.checkpoint.*`` and templates its
 parameters from the payload. Emitting is fire-and-forget: training never waits for publishing.

@@ -27,7 +27,7 @@ from tasks.attempts import AttemptReport
 from tasks.logs import logger
 
 # How long the end of a flow waits for attempt logs still in flight (each call is bounded by
-# tracking.HTTP_DEFAULTS; this only caps a long queue behind a hung server).
+# infra.mlflow_client.HTTP_DEFAULTS; this only caps a long queue behind a hung server).
 PENDING_WAIT_S = 60.0
 
 _background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ett-tracking")

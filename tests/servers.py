@@ -1,4 +1,4 @@
-"""Session-scoped fixtures that run the real local servers of infra/stack.py for tests.
+"""Session-scoped fixtures that run the real local servers of infra/servers.py for tests.
 
 Import them into tests/conftest.py:
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from infra import stack
+from infra import servers
 
 STARTUP_TIMEOUT_S = 240.0  # generous: 2 shared cores
 _NEEDS = {"s3_server": ("s3",), "mlflow_server": ("s3", "mlflow"), "prefect_server": ("prefect",)}
@@ -40,23 +40,23 @@ class _Servers:
 
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
-        self.launched: dict[str, stack.Service] = {}
+        self.launched: dict[str, servers.Service] = {}
 
-    def launch(self, name: str) -> stack.Service:
+    def launch(self, name: str) -> servers.Service:
         if name not in self.launched:
             s3 = self.launched.get("s3")
-            self.launched[name] = stack.launch(
+            self.launched[name] = servers.launch(
                 name, self.state_dir, s3_endpoint=s3.url if s3 else None
             )
         return self.launched[name]
 
-    def ready(self, name: str) -> stack.Service:
+    def ready(self, name: str) -> servers.Service:
         service = self.launch(name)
-        stack.wait_ready(service, STARTUP_TIMEOUT_S)
+        servers.wait_ready(service, STARTUP_TIMEOUT_S)
         return service
 
     def stop_all(self) -> None:
-        stack.stop([s.pid for s in self.launched.values()])
+        servers.stop([s.pid for s in self.launched.values()])
 
 
 _SERVERS = pytest.StashKey[_Servers]()
@@ -69,8 +69,8 @@ def _servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     The first fixture set up is torn down last, so its finalizer stops them all."""
     stash = request.session.stash
     if _SERVERS not in stash:
-        servers = stash[_SERVERS] = _Servers(tmp_path_factory.mktemp("servers"))
-        request.addfinalizer(servers.stop_all)
+        session = stash[_SERVERS] = _Servers(tmp_path_factory.mktemp("servers"))
+        request.addfinalizer(session.stop_all)
         wanted = {
             name
             for item in request.session.items
@@ -78,9 +78,9 @@ def _servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
             if fixture in getattr(item, "fixturenames", ())
             for name in names
         }
-        for name in stack.SERVICES:  # s3 first: mlflow's artifact store
+        for name in servers.SERVICES:  # s3 first: mlflow's artifact store
             if name in wanted:
-                servers.launch(name)
+                session.launch(name)
     return stash[_SERVERS]
 
 
@@ -98,7 +98,7 @@ def s3_server(
 ) -> Iterator[str]:
     """The endpoint URL of a moto S3 server holding the bucket ``ett``."""
     url = _servers(request, tmp_path_factory).ready("s3").url
-    env = stack.LOCAL_AWS_ENV | {"AWS_ENDPOINT_URL_S3": url, "MLFLOW_S3_ENDPOINT_URL": url}
+    env = servers.LOCAL_AWS_ENV | {"AWS_ENDPOINT_URL_S3": url, "MLFLOW_S3_ENDPOINT_URL": url}
     with pytest.MonkeyPatch.context() as mp:
         for key, value in env.items():
             mp.setenv(key, value)

@@ -156,8 +156,8 @@ def build_train_module(
         *model.sparse_arch.parameters(),
         *model.history_tower.items.parameters(),
     ]
-    # Exact Adagrad: on fbgemm's CPU kernels its fused backward measured ~20x faster than
-    # row-wise Adagrad (8 ms vs 160+ ms per step for the demo tables); GPUs do either well.
+    # Exact Adagrad: fbgemm's CPU kernels fuse its backward, while row-wise Adagrad takes a
+    # much slower path on CPU; GPUs do either well.
     apply_optimizer_in_backward(torch.optim.Adagrad, sparse_params, {"lr": config.train.sparse_lr})
     plan = sharding_plan(model, env)
     dmp = DistributedModelParallel(module=model, device=env.device, plan=plan)

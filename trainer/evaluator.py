@@ -49,13 +49,15 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from infra import storage
+from infra.config_sources import ConfigError
 from infra.exit_codes import ExitCode
 from infra.ledger import Ledger, Span, parse_lines
-from infra.settings import ConfigError, JobConfig, load_config
+from infra.settings import JobConfig, load_config
 from trainer.checkpoint.manifest import CheckpointError, CommittedCheckpoint, committed_checkpoints
 from trainer.checkpoint.restore import fetch
 from trainer.data.batch import Batch
-from trainer.data.loader import DataError, holdout_batches
+from trainer.data.decode import DataError
+from trainer.data.sequential import holdout_batches
 from trainer.evaluation import evaluate
 from trainer.unsharded import cpu_model, load_model_weights
 

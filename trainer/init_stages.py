@@ -32,7 +32,6 @@ gate is open from the start.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -42,26 +41,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from infra import storage
 from infra.control import Command, Phase, RankControl
 from infra.ledger import Ledger, Mark, Span
 from infra.settings import JobConfig
 from trainer import compile_cache, compiled
 from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.checkpoint.manifest import CheckpointError, rank_state_name
-from trainer.checkpoint.restore import candidates, check_compatible, restore
-from trainer.checkpoint.retention import purge_uncommitted
-from trainer.checkpoint.state import app_state, apply_loaded
 from trainer.data.balance import make_balancer
 from trainer.data.batch import Batch
-from trainer.data.loader import TrainLoader, holdout_batches
+from trainer.data.loader import START_POSITION, TrainLoader
+from trainer.data.sequential import holdout_batches
 from trainer.distributed import DistEnv, build_train_module, init_process_group, select_device
 from trainer.faults import FaultInjector
+from trainer.resume import Resume, peek_resume, restore_model
 from trainer.stage_graph import Stage, run_stages
 
 log = logging.getLogger(__name__)
-
-INITIAL_POSITION = {"epoch": 0, "shard_pos": 0, "row_offset": 0}
 
 
 class InitStage(StrEnum):
@@ -108,15 +102,6 @@ class CompileState:
     error: str | None = None
     watcher: compiled.RecompileWatcher | None = None
     vec_isa_ok: bool | None = None  # inductor's C++ ISA check, settled before compiling
-
-
-@dataclass(frozen=True)
-class Resume:
-    """Where training continues: the step done, the loader position (None: start)."""
-
-    step: int = 0
-    loader: dict[str, Any] | None = None
-    url: str | None = None
 
 
 @dataclass
@@ -357,7 +342,7 @@ class Initializer:
             self.loader.stats["rows"] -= len(self.pending)
             self.loader.stats["batches"] -= 1
         log.info("first batch re-fetched: restore resumed at step %d", resume.step)
-        self.loader.load_state_dict(resume.loader or INITIAL_POSITION)
+        self.loader.load_state_dict(resume.loader or START_POSITION)
         self.batches = iter(self.loader)
         self.pending = next(self.batches) if resume.step < self.config.train.steps else None
 
@@ -380,53 +365,3 @@ class Initializer:
 
 class StandbyReleased(RuntimeError):
     """The orchestrator went away (or finished the job) before promoting this standby."""
-
-
-# -- restore ---------------------------------------------------------------------------------
-def peek_resume(config: JobConfig, env: DistEnv) -> Resume | None:
-    """The step and data position restore will most likely continue from, read from the
-    checkpoint's small JSON state only (no tensors, no checksums); None if unsure."""
-    try:
-        for ckpt in candidates(config):
-            try:
-                check_compatible(ckpt, config, env.world_size)
-            except CheckpointError:
-                continue  # restore skips it too (or fails the attempt)
-            name = rank_state_name(env.rank)
-            extra = json.loads(storage.read_text(storage.join(ckpt.url, name)))
-            return Resume(int(extra["step"]), extra.get("loader"), ckpt.url)
-        return Resume()
-    except Exception as exc:  # only a guess: restore decides
-        log.info("could not peek at the resume position: %s", exc)
-        return None
-
-
-def restore_model(
-    config: JobConfig,
-    env: DistEnv,
-    model: torch.nn.Module,
-    optimizer: Any,
-    ledger: Ledger,
-    group: dist.ProcessGroup,
-    in_process: bool = False,
-) -> Resume:
-    """Load the newest usable checkpoint into model, optimizer and RNG; returns where the
-    loop and the data loader continue (the loader itself is left alone)."""
-    if env.is_main and not in_process:
-        purge_uncommitted(config.job_url)
-    dist.barrier(group=group)
-    optimizer.init_state()  # materialise lazy optimizer state so it can be loaded in place
-    state = app_state(model, optimizer, env.rank)
-    restored = restore(config, state, env.rank, env.world_size, group)
-    if restored is None:
-        return Resume()
-    if restored.warm_start:
-        model.load_state_dict(state["model"])
-        log.info("warm-started the model from %s", restored.checkpoint.url)
-        return Resume()
-    apply_loaded(model, optimizer, state, env.rank)
-    step = int(restored.extra["step"])
-    ledger.mark(Mark.RESUME, step=step, url=restored.checkpoint.url, in_process=in_process)
-    if env.is_main:
-        log.info("resumed from %s at step %d", restored.checkpoint.url, step)
-    return Resume(step, restored.extra["loader"], restored.checkpoint.url)

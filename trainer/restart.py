@@ -29,9 +29,9 @@ import torch.distributed as dist
 from infra.ledger import Ledger, Mark
 from infra.settings import JobConfig
 from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.data.loader import TrainLoader
+from trainer.data.loader import START_POSITION, TrainLoader
 from trainer.distributed import DistEnv
-from trainer.init_stages import INITIAL_POSITION, Resume, restore_model
+from trainer.resume import Resume, restore_model
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class InProcessRestart:
             t=failed_at,
             error=f"{type(exc).__name__}: {exc}"[:300],
         )
-        loader.load_state_dict(resume.loader or INITIAL_POSITION)
+        loader.load_state_dict(resume.loader or START_POSITION)
         return resume
 
     def _agree(self, timeout_s: float) -> bool:

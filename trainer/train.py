@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from infra import storage
+from infra.config_sources import ConfigError
 from infra.control import Phase, RankControl
 from infra.exit_codes import ExitCode
 from infra.lease import JobLocked, trainer_lease
@@ -37,7 +38,6 @@ from infra.library_logs import quiet_library_dumps
 from infra.processes import die_with_parent
 from infra.settings import (
     CheckpointMode,
-    ConfigError,
     ConsensusMode,
     EvalMode,
     JobConfig,
@@ -50,7 +50,7 @@ from trainer.checkpoint.manifest import CheckpointError
 from trainer.checkpoint.state import app_state
 from trainer.consensus import StepConsensus
 from trainer.data.batch import Batch
-from trainer.data.loader import DataError
+from trainer.data.decode import DataError
 from trainer.evaluation import evaluate
 from trainer.flops import record_model_flops
 from trainer.init_stages import Components, Initializer, StandbyReleased

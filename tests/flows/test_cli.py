@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra import stack, tracking
+from infra import servers, stack, tracking
 from infra.ett import report_for_job
 from infra.exit_codes import ExitCode
 from infra.settings import JobConfig, dump_config
@@ -228,7 +228,7 @@ def test_fleet(trained: Trained, request: pytest.FixtureRequest) -> None:
 
 
 def test_demo_against_a_server_that_is_down(tmp_path: Path) -> None:
-    api = f"http://127.0.0.1:{stack.free_port()}/api"
+    api = f"http://127.0.0.1:{servers.free_port()}/api"
     proc = ett("demo", cwd=tmp_path, env={"PREFECT_API_URL": api})
     user_error(proc, f"PREFECT_API_URL={api} does not answer")
 

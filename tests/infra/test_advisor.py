@@ -10,17 +10,10 @@ import numpy as np
 import pytest
 
 from infra.advisor import DAY_S, advise_from_report, optimal_interval, waste_fraction
+from infra.checkpoint_cycles import segment, sweep
 from infra.ett import report_for_job
-from infra.simulate import (
-    JobModel,
-    SimResult,
-    monte_carlo,
-    replay,
-    segment,
-    steady_state_waste,
-    sweep,
-    what_if,
-)
+from infra.job_model import JobModel
+from infra.simulate import SimResult, monte_carlo, replay, what_if
 from tests.infra.modeled_job import Plan, write_modeled_job
 from tests.infra.test_ett import _write_job
 
@@ -126,7 +119,8 @@ def test_steady_state_waste_matches_closed_form() -> None:
     for c, mtbf, tau in [(15, 28_800, 929.5), (60, 7_200, 400), (5, 86_400, 3000)]:
         lam = 1 / mtbf
         exact = 1 - tau * lam / math.expm1(lam * (tau + c))
-        assert steady_state_waste(tau, c, mtbf, seed=2) == pytest.approx(exact, rel=0.02)
+        [(_, waste)] = sweep([tau], c, mtbf, seed=2)
+        assert waste == pytest.approx(exact, rel=0.02)
 
 
 def test_what_if_from_report(tmp_path) -> None:

@@ -9,7 +9,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from infra.settings import ConfigError, JobConfig, dump_config, load_config, load_resolved
+from infra.config_sources import ConfigError
+from infra.settings import JobConfig, dump_config, load_config, load_resolved
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "configs" / "example.yaml"
 

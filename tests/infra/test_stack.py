@@ -1,5 +1,5 @@
-"""infra/stack.py: the local stack of real servers (moto S3, MLflow, Prefect) starts, serves
-and stops; plus its fast failure paths."""
+"""infra/stack.py and infra/servers.py: the local stack of real servers (moto S3, MLflow, Prefect)
+starts, serves and stops; plus its fast failure paths."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from infra import stack
+from infra import servers, stack
 
 
 def _get(url: str) -> tuple[int, bytes]:
@@ -25,17 +25,18 @@ def _get(url: str) -> tuple[int, bytes]:
 def test_wait_healthy_times_out_with_the_log_tail(tmp_path):
     log = tmp_path / "server.log"
     log.write_text("booting\nERROR: cannot bind\n")
-    port = stack.free_port()
+    port = servers.free_port()
     with pytest.raises(TimeoutError, match="cannot bind"):
-        stack.wait_healthy(f"http://127.0.0.1:{port}/health", timeout_s=0.5, log_path=log)
+        servers.wait_healthy(f"http://127.0.0.1:{port}/health", timeout_s=0.5, log_path=log)
 
 
 def test_a_server_that_exits_is_reported_at_once_with_its_log(tmp_path, monkeypatch):
     crash = [sys.executable, "-c", "print('boom: bad flag'); raise SystemExit(3)"]
-    monkeypatch.setattr(stack, "_command", lambda *args: (crash, {}))
+    monkeypatch.setattr(servers, "_command", lambda *args: (crash, {}))
     t0 = time.monotonic()
-    with pytest.raises(stack.StackError, match="(?s)code 3.*boom: bad flag"):
-        stack.start("prefect", tmp_path, timeout_s=60)
+    service = servers.launch("prefect", tmp_path)
+    with pytest.raises(servers.StackError, match="(?s)code 3.*boom: bad flag"):
+        servers.wait_ready(service, timeout_s=60)
     assert time.monotonic() - t0 < 20
 
 
@@ -43,10 +44,10 @@ def test_launch_refuses_a_busy_port_and_mlflow_without_s3(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
-        with pytest.raises(stack.StackError, match="in use"):
-            stack.launch("s3", tmp_path, sock.getsockname()[1])
-    with pytest.raises(stack.StackError, match="needs the s3 service"):
-        stack.launch("mlflow", tmp_path)
+        with pytest.raises(servers.StackError, match="in use"):
+            servers.launch("s3", tmp_path, sock.getsockname()[1])
+    with pytest.raises(servers.StackError, match="needs the s3 service"):
+        servers.launch("mlflow", tmp_path)
 
 
 def test_down_never_signals_a_process_that_reused_a_recorded_pid(tmp_path, capsys):
@@ -95,13 +96,13 @@ def test_stack_up_serves_s3_mlflow_prefect_and_down_stops_them(tmp_path):
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         st = booting.result()
-        assert set(st.services) == set(stack.SERVICES)
+        assert set(st.services) == set(servers.SERVICES)
         for name, svc in st.services.items():
-            assert _get(svc.url + stack.HEALTH_PATHS[name])[0] == 200, name
+            assert _get(svc.url + servers.HEALTH_PATHS[name])[0] == 200, name
         recorded = (state / "stack.json").read_text()
         assert "testing" not in recorded and "SECRET" not in recorded.upper()
         assert {s: r["healthy"] for s, r in stack.status(state).items()} == dict.fromkeys(
-            stack.SERVICES, True
+            servers.SERVICES, True
         )
 
         # S3: an object written through s3fs reads back.
@@ -138,9 +139,9 @@ def test_stack_up_serves_s3_mlflow_prefect_and_down_stops_them(tmp_path):
         booting.exception()  # let up() finish (or clean up after itself) before down()
         stopped = stack.down(state)
 
-    assert sorted(stopped) == sorted(stack.SERVICES)
+    assert sorted(stopped) == sorted(servers.SERVICES)
     assert not (state / "stack.json").exists()
     for svc in st.services.values():
-        assert not stack.group_alive(svc.pid), svc.name
+        assert not servers.group_alive(svc.pid), svc.name
         with pytest.raises(ProcessLookupError):
             os.kill(svc.pid, 0)

@@ -21,7 +21,7 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from infra import storage, tracking
+from infra import mlflow_client, run_metadata, storage, tracking
 from infra.ett import report_for_job
 from infra.ett_report import format_table
 from infra.ledger import Ledger, ledger_url, read_events
@@ -132,7 +132,7 @@ def _config(tmp_path: Path, store: str, job_id: str, monkeypatch: pytest.MonkeyP
 
 def _git_head() -> str:
     out = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=tracking.REPO_ROOT, capture_output=True, text=True
+        ["git", "rev-parse", "HEAD"], cwd=run_metadata.REPO_ROOT, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr  # the test suite runs from a git checkout
     return out.stdout.strip()
@@ -309,8 +309,8 @@ def test_experiment_kind_is_set_once_and_a_users_choice_kept(store: str) -> None
     client = MlflowClient(tracking_uri=store)
     mine = client.create_experiment("kind-mine", tags={"mlflow.experimentKind": "finetuning"})
     bare = client.create_experiment("kind-bare")
-    assert tracking.ensure_experiment(client, "kind-mine", store) == mine
-    assert tracking.ensure_experiment(client, "kind-bare", store) == bare
+    assert mlflow_client.ensure_experiment(client, "kind-mine", store) == mine
+    assert mlflow_client.ensure_experiment(client, "kind-bare", store) == bare
     assert client.get_experiment(mine).tags["mlflow.experimentKind"] == "finetuning"
     assert client.get_experiment(bare).tags["mlflow.experimentKind"] == "custom_model_development"
 
@@ -343,7 +343,7 @@ class _Refuser:
 def test_a_dead_tracking_server_is_given_up_on_after_two_retries(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for key in tracking.HTTP_DEFAULTS:
+    for key in mlflow_client.HTTP_DEFAULTS:
         monkeypatch.delenv(key, raising=False)
     server = _Refuser()
     try:
@@ -357,7 +357,7 @@ def test_a_dead_tracking_server_is_given_up_on_after_two_retries(
     assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "10"
     # An operator's own setting wins.
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    tracking.bound_http_calls()
+    mlflow_client.bound_http_calls()
     assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "0"
 
 
@@ -382,16 +382,16 @@ def test_fleet_files_go_to_one_fleet_run(tmp_path: Path, store: str) -> None:
 
 
 def test_flatten_params_and_redaction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    flat = tracking.flatten_params(
+    flat = run_metadata.flatten_params(
         {"a": {"b": 1, "c": [1, 2], "d": None, "e": {}}, "long": "x" * 7000, "f": True}
     )
     assert flat["a.b"] == "1" and flat["a.c"] == "[1, 2]" and flat["a.d"] == "None"
     assert flat["a.e"] == "{}" and flat["f"] == "True"
-    assert len(flat["long"]) == tracking.MAX_PARAM_LEN and flat["long"].endswith("(truncated)")
-    assert tracking.redact_url("http://user:pw@mlflow:5000/x") == "http://mlflow:5000/x"
-    assert tracking.redact_url("s3://bucket/jobs/a") == "s3://bucket/jobs/a"
+    assert len(flat["long"]) == run_metadata.MAX_PARAM_LEN and flat["long"].endswith("(truncated)")
+    assert run_metadata.redact_url("http://user:pw@mlflow:5000/x") == "http://mlflow:5000/x"
+    assert run_metadata.redact_url("s3://bucket/jobs/a") == "s3://bucket/jobs/a"
     config = tiny_config(tmp_path, tracking={"mlflow_uri": "http://user:pw@mlflow:5000"})
-    assert tracking.job_params(config)["tracking.mlflow_uri"] == "http://mlflow:5000"
+    assert run_metadata.job_params(config)["tracking.mlflow_uri"] == "http://mlflow:5000"
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     with pytest.raises(ValueError, match="tracking_uri"):
         tracking.log_attempt("unknown-run", tracking.LedgerAttempt(0, "success", 0, T0, T0, None))

@@ -42,7 +42,7 @@ from tests.factories import ROOT
 from tests.publish.conftest import TrainedJob, _copy_tree
 from trainer.checkpoint.manifest import CommittedCheckpoint, read_manifest
 from trainer.checkpoint.restore import load_into
-from trainer.data.loader import holdout_batches
+from trainer.data.sequential import holdout_batches
 from trainer.evaluation import predict
 from trainer.model import RankingModel
 

@@ -29,7 +29,7 @@ import pytest
 from mlflow import MlflowClient
 
 import flows.train_flow as train_module
-from infra import stack
+from infra import servers
 from infra.settings import JobConfig, dump_config
 from tasks.attempts import LaunchSpec
 from tests.factories import ROOT, tiny_config
@@ -58,25 +58,22 @@ class MlflowServer:
 
     def __init__(self, state_dir: Path, s3_endpoint: str) -> None:
         self.state_dir, self.s3_endpoint = state_dir, s3_endpoint
-        self.port = stack.free_port()
+        self.port = servers.free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.service: stack.Service | None = None
+        self.service: servers.Service | None = None
         self.pids: list[int] = []
 
     def start(self) -> None:
         if self.service is None:
-            self.service = stack.start(
-                "mlflow",
-                self.state_dir,
-                self.port,
-                s3_endpoint=self.s3_endpoint,
-                timeout_s=BOOT_TIMEOUT_S,
+            self.service = servers.launch(
+                "mlflow", self.state_dir, self.port, s3_endpoint=self.s3_endpoint
             )
+            servers.wait_ready(self.service, BOOT_TIMEOUT_S)
             self.pids.append(self.service.pid)
 
     def stop(self) -> None:
         if self.service is not None:
-            stack.stop([self.service.pid])
+            servers.stop([self.service.pid])
             self.service = None
 
 
@@ -87,7 +84,7 @@ def mlflow_ctl(s3_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
         yield server
     finally:
         server.stop()
-        assert not any(stack.group_alive(pid) for pid in server.pids)  # nothing left behind
+        assert not any(servers.group_alive(pid) for pid in server.pids)  # nothing left behind
 
 
 @pytest.fixture

@@ -317,18 +317,19 @@ def test_triton_kernels_compile_for_hopper_without_a_gpu() -> None:
         "head_dim": "i32",
     }
     constexprs = {"CAUSAL": True, "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_D": 32, "PRECISION": "tf32"}
-    for kernel in (
-        triton_kernel._fwd_kernel,
-        triton_kernel._bwd_dkdv_kernel,
-        triton_kernel._bwd_dq_kernel,
+    for kernel, pass_constexprs in (
+        (triton_kernel._fwd_kernel, {}),
+        (triton_kernel._bwd_kernel, {"KEY_BLOCKS": True}),  # dK, dV
+        (triton_kernel._bwd_kernel, {"KEY_BLOCKS": False}),  # dQ
     ):
+        kernel_constexprs = constexprs | pass_constexprs
         signature = {
-            name: "constexpr" if name in constexprs else types.get(name, "*bf16")
+            name: "constexpr" if name in kernel_constexprs else types.get(name, "*bf16")
             for name in kernel.arg_names
         }
         try:
             compiled = triton.compile(
-                ASTSource(kernel, signature, constexprs=constexprs),
+                ASTSource(kernel, signature, constexprs=kernel_constexprs),
                 target=GPUTarget("cuda", 90, 32),
                 options={"num_warps": 4},
             )

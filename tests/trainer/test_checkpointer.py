@@ -22,7 +22,7 @@ from torch.distributed._shard.sharded_tensor import (
     init_from_local_shards,
 )
 
-from infra import stack, storage
+from infra import servers, storage
 from infra.ledger import Ledger, read_events
 from infra.settings import JobConfig, load_config
 from trainer.checkpoint.checkpointer import Checkpointer
@@ -34,7 +34,7 @@ ROWS, DIM = 64, 8
 @pytest.fixture(scope="module")
 def group() -> Iterator[dist.ProcessGroup]:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(stack.free_port())
+    os.environ["MASTER_PORT"] = str(servers.free_port())
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         yield dist.new_group(backend="gloo")

@@ -29,7 +29,7 @@ from infra.processes import pid_alive
 from infra.settings import JobConfig, dump_config
 from tests.factories import ROOT, run_trainer, tiny_config, write_dataset
 from trainer.checkpoint.manifest import MANIFEST, committed_checkpoints
-from trainer.data.loader import holdout_batches
+from trainer.data.sequential import holdout_batches
 from trainer.evaluator import CheckpointEvaluator
 
 STEPS, EVAL_EVERY, CKPT_EVERY = 30, 10, 5  # checkpoints at 5..30, evaluations at 10, 20, 30

@@ -24,7 +24,7 @@ from torch.distributed._shard.sharded_tensor import (
 )
 from torch.distributed.checkpoint.staging import StagingOptions
 
-from infra import stack
+from infra import servers
 from trainer.checkpoint.staging import ShardedStateStager, SideStreamCopy
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -33,7 +33,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.fixture(scope="module")
 def group() -> Iterator[dist.ProcessGroup]:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(stack.free_port())
+    os.environ["MASTER_PORT"] = str(servers.free_port())
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         yield dist.new_group(backend="gloo")

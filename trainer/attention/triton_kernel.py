@@ -10,9 +10,10 @@ programs past the real blocks exit at once.
   the same sequence with an online softmax (running max m, running sum l) and stores the
   output and the log-sum-exp (base 2) per row and head.
 - backward (flash-attention-2 style, no atomics): delta = rowsum(dO * O) in torch; one
-  kernel per (sequence, head, key block) accumulates dK, dV over the query blocks; one
-  kernel per (sequence, head, query block) accumulates dQ over the key blocks. Both
-  recompute P = exp2(S - lse) from the saved log-sum-exp.
+  kernel, launched twice: once with a program per (sequence, head, key block), which
+  accumulates dK, dV over the query blocks, once with one per (sequence, head, query block),
+  which accumulates dQ over the key blocks. Both recompute P = exp2(S - lse) from the saved
+  log-sum-exp.
 
 Under ``TRITON_INTERPRET=1`` (set before triton is imported) the kernels run on CPU
 tensors through Triton's interpreter (fp32/fp16 only: the interpreter has no bf16
@@ -33,6 +34,59 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)  # decided when the kernels a
 LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
+
+
+@triton.jit
+def _tile(base, rows, n, offs_d, d_ok, stride_t):
+    """Offsets and mask of ``rows`` (those below ``n``) of one head: a [rows, BLOCK_D] tile."""
+    return base + rows[:, None] * stride_t + offs_d[None, :], (rows < n)[:, None] & d_ok[None, :]
+
+
+@triton.jit
+def _rows(Ptr, base, rows, n, offs_d, d_ok, stride_t):
+    """Rows ``rows`` of one head (zeros past ``n``), their offsets and mask."""
+    off, mask = _tile(base, rows, n, offs_d, d_ok, stride_t)
+    return tl.load(Ptr + off, mask=mask, other=0.0), off, mask
+
+
+@triton.jit
+def _keys_seen(q_start, seq_len, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """Where the keys a query block sees end: with CAUSAL, after its last row."""
+    hi = seq_len
+    if CAUSAL:
+        hi = tl.minimum(seq_len, q_start + BLOCK_M)
+    return hi
+
+
+@triton.jit
+def _visible(rows, cols, seq_len, CAUSAL: tl.constexpr):
+    """Which keys ``cols`` each query row sees: those of the sequence, and with CAUSAL only
+    those at or before it."""
+    keep = (cols < seq_len)[None, :]
+    if CAUSAL:
+        keep = keep & (cols[None, :] <= rows[:, None])
+    return keep
+
+
+@triton.jit
+def _grad_terms(q, k, v, do, lse, delta, keep, qk_scale, PRECISION: tl.constexpr):
+    """P and dS of one (query block, key block) pair, P recomputed from the saved
+    log-sum-exp: what both backward passes accumulate."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
+def _query_block(Q, DO, LSE, Delta, q_off, q_mask, row_off, m_ok):
+    """A query block's q and dO, and its rows' log-sum-exp and delta (row_off: row * heads +
+    head)."""
+    q = tl.load(Q + q_off, mask=q_mask, other=0.0)
+    do = tl.load(DO + q_off, mask=q_mask, other=0.0)
+    lse = tl.load(LSE + row_off, mask=m_ok, other=0.0)
+    delta = tl.load(Delta + row_off, mask=m_ok, other=0.0)
+    return q, do, lse, delta
 
 
 @triton.jit
@@ -65,36 +119,20 @@ def _fwd_kernel(
     seq_len = (tl.load(Offsets + seq + 1) - row0).to(tl.int32)
     q_start = tl.load(BlockStart + pid)
     offs_m = q_start + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < seq_len
     d_ok = offs_d < head_dim
     base = row0 * stride_t + head * stride_h
-    q = tl.load(
-        Q + base + offs_m[:, None] * stride_t + offs_d[None, :],
-        mask=m_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
-
+    q, q_off, q_mask = _rows(Q, base, offs_m, seq_len, offs_d, d_ok, stride_t)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    hi = seq_len
-    if CAUSAL:
-        hi = tl.minimum(seq_len, q_start + BLOCK_M)
     # Key 0 is visible to every row (padding rows included), so m_i is finite after the
     # first block and exp2(m_i - m_new) never sees -inf - -inf.
-    for n0 in range(0, hi, BLOCK_N):
-        cols = n0 + offs_n
-        n_ok = cols < seq_len
-        kv_off = base + cols[:, None] * stride_t + offs_d[None, :]
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+    for n0 in range(0, _keys_seen(q_start, seq_len, BLOCK_M, CAUSAL), BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        k, kv_off, kv_mask = _rows(K, base, cols, seq_len, offs_d, d_ok, stride_t)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        keep = n_ok[None, :]
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= offs_m[:, None])
-        s = tl.where(keep, s, float("-inf"))
+        s = tl.where(_visible(offs_m, cols, seq_len, CAUSAL), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -104,20 +142,20 @@ def _fwd_kernel(
         m_i = m_new
 
     acc = acc / l_i[:, None]
-    out_off = base + offs_m[:, None] * stride_t + offs_d[None, :]
-    tl.store(Out + out_off, acc.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(Out + q_off, acc.to(Out.dtype.element_ty), mask=q_mask)
     lse_off = (row0 + offs_m) * (stride_t // stride_h) + head
-    tl.store(LSE + lse_off, m_i + tl.log2(l_i), mask=m_ok)
+    tl.store(LSE + lse_off, m_i + tl.log2(l_i), mask=offs_m < seq_len)
 
 
 @triton.jit
-def _bwd_dkdv_kernel(
+def _bwd_kernel(
     Q,
     K,
     V,
     DO,
     LSE,
     Delta,
+    DQ,
     DK,
     DV,
     Offsets,
@@ -129,12 +167,16 @@ def _bwd_dkdv_kernel(
     head_dim,
     qk_scale,
     sm_scale,
+    KEY_BLOCKS: tl.constexpr,
     CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    """KEY_BLOCKS: the program owns a key block and accumulates its dK, dV over the query
+    blocks that see it; else it owns a query block and accumulates its dQ over the key
+    blocks it sees. Each pass writes only its own block: no atomics."""
     pid = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.load(BlockSeq + pid)
@@ -142,114 +184,47 @@ def _bwd_dkdv_kernel(
         return
     row0 = tl.load(Offsets + seq)
     seq_len = (tl.load(Offsets + seq + 1) - row0).to(tl.int32)
-    k_start = tl.load(BlockStart + pid)
-    offs_n = k_start + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
+    start = tl.load(BlockStart + pid)
     offs_d = tl.arange(0, BLOCK_D)
-    n_ok = offs_n < seq_len
     d_ok = offs_d < head_dim
     heads = stride_t // stride_h
     base = row0 * stride_t + head * stride_h
-    kv_off = base + offs_n[:, None] * stride_t + offs_d[None, :]
-    kv_mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
-    v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
-
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    lo = 0
-    if CAUSAL:
-        lo = (k_start // BLOCK_M) * BLOCK_M  # earlier query rows cannot see these keys
-    for m0 in range(lo, seq_len, BLOCK_M):
-        rows = m0 + offs_m
-        m_ok = rows < seq_len
-        q_off = base + rows[:, None] * stride_t + offs_d[None, :]
-        q_mask = m_ok[:, None] & d_ok[None, :]
-        q = tl.load(Q + q_off, mask=q_mask, other=0.0)
-        do = tl.load(DO + q_off, mask=q_mask, other=0.0)
-        lse = tl.load(LSE + (row0 + rows) * heads + head, mask=m_ok, other=0.0)
-        delta = tl.load(Delta + (row0 + rows) * heads + head, mask=m_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        keep = m_ok[:, None] & n_ok[None, :]
-        if CAUSAL:
-            keep = keep & (offs_n[None, :] <= rows[:, None])
-        p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
-
-    tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
-
-
-@triton.jit
-def _bwd_dq_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    Delta,
-    DQ,
-    Offsets,
-    BlockSeq,
-    BlockStart,
-    num_seqs,
-    stride_t,
-    stride_h,
-    head_dim,
-    qk_scale,
-    sm_scale,
-    CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    head = tl.program_id(1)
-    seq = tl.load(BlockSeq + pid)
-    if seq >= num_seqs:
-        return
-    row0 = tl.load(Offsets + seq)
-    seq_len = (tl.load(Offsets + seq + 1) - row0).to(tl.int32)
-    q_start = tl.load(BlockStart + pid)
-    offs_m = q_start + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < seq_len
-    d_ok = offs_d < head_dim
-    heads = stride_t // stride_h
-    base = row0 * stride_t + head * stride_h
-    q_off = base + offs_m[:, None] * stride_t + offs_d[None, :]
-    q_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + q_off, mask=q_mask, other=0.0)
-    do = tl.load(DO + q_off, mask=q_mask, other=0.0)
-    lse = tl.load(LSE + (row0 + offs_m) * heads + head, mask=m_ok, other=0.0)
-    delta = tl.load(Delta + (row0 + offs_m) * heads + head, mask=m_ok, other=0.0)
-
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    hi = seq_len
-    if CAUSAL:
-        hi = tl.minimum(seq_len, q_start + BLOCK_M)
-    for n0 in range(0, hi, BLOCK_N):
-        cols = n0 + offs_n
-        n_ok = cols < seq_len
-        kv_off = base + cols[:, None] * stride_t + offs_d[None, :]
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+    if KEY_BLOCKS:
+        cols = start + tl.arange(0, BLOCK_N)
+        k, kv_off, kv_mask = _rows(K, base, cols, seq_len, offs_d, d_ok, stride_t)
         v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        keep = m_ok[:, None] & n_ok[None, :]
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        lo = 0
         if CAUSAL:
-            keep = keep & (cols[None, :] <= offs_m[:, None])
-        p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-
-    tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+            lo = (start // BLOCK_M) * BLOCK_M  # earlier query rows cannot see these keys
+        for m0 in range(lo, seq_len, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            m_ok = rows < seq_len
+            q_off, q_mask = _tile(base, rows, seq_len, offs_d, d_ok, stride_t)
+            row_off = (row0 + rows) * heads + head
+            q, do, lse, delta = _query_block(Q, DO, LSE, Delta, q_off, q_mask, row_off, m_ok)
+            keep = m_ok[:, None] & _visible(rows, cols, seq_len, CAUSAL)
+            p, ds = _grad_terms(q, k, v, do, lse, delta, keep, qk_scale, PRECISION)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+        tl.store(DK + kv_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
+        tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+    else:
+        rows = start + tl.arange(0, BLOCK_M)
+        m_ok = rows < seq_len
+        q_off, q_mask = _tile(base, rows, seq_len, offs_d, d_ok, stride_t)
+        row_off = (row0 + rows) * heads + head
+        q, do, lse, delta = _query_block(Q, DO, LSE, Delta, q_off, q_mask, row_off, m_ok)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for n0 in range(0, _keys_seen(start, seq_len, BLOCK_M, CAUSAL), BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            k, kv_off, kv_mask = _rows(K, base, cols, seq_len, offs_d, d_ok, stride_t)
+            v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+            keep = m_ok[:, None] & _visible(rows, cols, seq_len, CAUSAL)
+            p, ds = _grad_terms(q, k, v, do, lse, delta, keep, qk_scale, PRECISION)
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
 
 
 def block_table(offsets: torch.Tensor, total: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,11 +292,12 @@ class _JaggedFlashAttention(torch.autograd.Function):
         heads = q.shape[1]
         scales = dict(qk_scale=ctx.sm_scale * LOG2E, sm_scale=ctx.sm_scale, num_warps=4)
         seq_n, start_n = block_table(offsets, q.shape[0], ctx.cfg["BLOCK_N"])
-        _bwd_dkdv_kernel[(seq_n.numel(), heads)](
-            q, k, v, do, lse, delta, dk, dv, offsets, seq_n, start_n, **scales, **ctx.cfg
+        grads = (q, k, v, do, lse, delta, dq, dk, dv, offsets)
+        _bwd_kernel[(seq_n.numel(), heads)](
+            *grads, seq_n, start_n, KEY_BLOCKS=True, **scales, **ctx.cfg
         )
-        _bwd_dq_kernel[(seq_m.numel(), heads)](
-            q, k, v, do, lse, delta, dq, offsets, seq_m, start_m, **scales, **ctx.cfg
+        _bwd_kernel[(seq_m.numel(), heads)](
+            *grads, seq_m, start_m, KEY_BLOCKS=False, **scales, **ctx.cfg
         )
         return dq, dk, dv, None, None, None, None
 

@@ -37,8 +37,8 @@ from trainer.flops import ModelFlops
 
 _HEADER = 2  # batch index, rows
 # Rows move only when the busiest rank has at least this share of its work above the mean:
-# below it, the exchange costs more than it saves (the demo's 1024-row batches of short
-# histories are within ~2% per step; measured with benchmarks/bench_throughput.py).
+# below it, the exchange costs more than it saves (benchmarks/bench_throughput.py compares
+# the step with and without balancing).
 MIN_EXCESS = 0.02
 
 

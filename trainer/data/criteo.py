@@ -25,6 +25,7 @@ NUM_DENSE = 13
 NUM_CAT = 26
 NUM_COLUMNS = 1 + NUM_DENSE + NUM_CAT
 _LOGGED_BAD_LINES = 10  # per reader; later bad lines are only counted
+CHUNK_LINES = 65_536  # lines parsed at once by ``read``: bounds memory for big files
 
 
 def check_config(data: DataConfig) -> None:
@@ -126,7 +127,7 @@ def iter_line_chunks(url: str, chunk_lines: int, skip_lines: int = 0) -> Iterato
         yield chunk
 
 
-def read(url: str, data: DataConfig, chunk_lines: int = 65_536) -> Iterator[ParsedLines]:
+def read(url: str, data: DataConfig, chunk_lines: int = CHUNK_LINES) -> Iterator[ParsedLines]:
     """Parse a whole Criteo TSV file in order, chunk by chunk (``index`` is the 0-based line)."""
     parser = LineParser(data)
     start = 0

@@ -1,0 +1,230 @@
+"""The handlers of the ``ett`` subcommands: each a thin wrapper around the code that does it.
+
+Heavy imports (torch, prefect, mlflow) happen inside the handlers so ``ett --help`` is quick.
+A handler returns the exit code; ``UserError`` is a mistake the user can fix, and flows/cli.py
+turns it into one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+
+from infra.exit_codes import ExitCode
+from infra.settings import JobConfig, dump_config, load_config
+
+
+class UserError(Exception):
+    """Something the user asked for cannot be done; the message says what and why."""
+
+
+def _config(args: argparse.Namespace) -> JobConfig:
+    return load_config(getattr(args, "config", None))
+
+
+# -- subcommands ------------------------------------------------------------------------------
+def cmd_generate(args: argparse.Namespace) -> int:
+    from infra import progress
+    from trainer.data.synthetic import files_to_write, generate, generate_daily
+
+    config = _config(args)
+    files = files_to_write(config.data)
+    if args.daily:
+        from infra.windows import DEFAULT_ROOT
+
+        root = args.url or DEFAULT_ROOT
+        with progress.counter(files * args.daily, "generate", "file") as bar:
+            written = generate_daily(config.data, root, args.daily, on_file=bar.update)
+        new = sum(1 for _, fresh in written if fresh)
+        print(f"{len(written)} daily windows under {root} ({new} new), newest {written[-1][0]}")
+        return 0
+    url = args.url or config.data.url
+    with progress.counter(files, "generate", "file") as bar:
+        meta = generate(config.data, url, on_file=bar.update)
+    print(
+        f"wrote {meta['train_rows']} train + {meta['holdout_rows']} holdout rows to {url}; "
+        f"Bayes-optimal holdout AUC {meta['bayes_auc']:.4f}"
+    )
+    return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """A job without Prefect: the same attempts, standby, retries and hang detection as the
+    ``train`` flow; exits with the last attempt's code (0 once the job succeeded)."""
+    from infra import storage
+    from infra.lease import JobLocked
+    from infra.ledger import next_attempt
+    from tasks.attempts import LaunchSpec, RetryPolicy
+    from tasks.job import run_job, timeouts_for
+
+    config = _config(args)
+    storage.configure(config.storage)
+    policy = RetryPolicy(max_failures=args.max_failures, backoff_s=args.backoff_s)
+    # Stopped from outside (SIGTERM, Ctrl-C): the attempt is preempted (it checkpoints) and
+    # the standby released before this process goes.
+    signal.signal(signal.SIGTERM, _interrupt)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "job.yaml")
+        dump_config(config, path)
+        spec = LaunchSpec(path, nproc=args.nproc, nnodes=args.nnodes)
+        try:
+            outcome = run_job(
+                config,
+                spec,
+                policy,
+                timeouts_for(config, args.hang_timeout_s),
+                next_attempt(config.job_url),
+            )
+        except KeyboardInterrupt:
+            print("stopped: the running attempt was preempted", file=sys.stderr)
+            return 128 + signal.SIGTERM
+        except JobLocked as exc:
+            print(exc, file=sys.stderr)
+            return ExitCode.JOB_LOCKED
+    print(outcome.message)
+    return 0 if outcome.succeeded else outcome.attempts[-1].exit_code
+
+
+def _job_url(args: argparse.Namespace, config: JobConfig) -> str:
+    """The job's URL; UserError naming the jobs that exist when it has no ledger."""
+    from infra import storage
+    from infra.ledger import ledger_url
+
+    storage.configure(config.storage)
+    jobs_root = storage.join(config.storage.root, "jobs")
+    job_url = args.job if "://" in args.job else storage.join(jobs_root, args.job)
+    if storage.glob(storage.join(ledger_url(job_url), "*.jsonl")):
+        return job_url
+    known = storage.listdir(jobs_root) if "://" not in args.job else []
+    hint = f"; jobs there: {', '.join(known[-10:])}" if known else ""
+    raise UserError(f"no ledger for job {args.job!r} at {job_url}{hint}")
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from infra import tables
+    from infra.ett import report_for_job
+    from infra.ett_report import plot_breakdown, sections
+    from infra.mfu import mfu_for_job
+
+    config = _config(args)
+    job_url = _job_url(args, config)
+    report = report_for_job(job_url)
+    tables.show(sections(report, mfu_for_job(job_url, report)))
+    if args.plot:
+        print(f"wall-time breakdown: {plot_breakdown(report, args.plot)}")
+    if args.log:
+        from mlflow.exceptions import MlflowException
+
+        from infra import tracking
+        from infra.run_metadata import redact_url
+
+        job = config.model_copy(update={"job_id": job_url.rstrip("/").rsplit("/", 1)[-1]})
+        where = redact_url(config.tracking.mlflow_uri)
+        try:
+            run_id, _ = tracking.log_job(job, job_url=job_url)
+        except MlflowException as exc:
+            print(
+                f"error: could not log {job.job_id} to MLflow at {where}: {exc.message}",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"logged {job.job_id} to MLflow run {run_id} ({where})")
+    return 0
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    from infra.advisor import optimal_interval
+
+    advice = optimal_interval(
+        blocking_s=args.blocking_s,
+        mtbf_s=86_400.0 / args.failures_per_day,
+        step_time_s=args.step_time_s,
+        upload_s=args.upload_s,
+    )
+    print(advice.describe())
+    return 0
+
+
+def cmd_fleet(args: argparse.Namespace) -> int:
+    from infra.fleet import fleet_summary
+    from infra.fleet_report import show_fleet, write_files
+
+    config = _config(args)
+    summary = fleet_summary(
+        args.tracking_uri or config.tracking.mlflow_uri,
+        args.experiment or config.tracking.experiment,
+    )
+    show_fleet(summary, sys.stdout)
+    write_files(summary, args.out)
+    print(f"plots and tables in {args.out}")
+    return 1 if summary.regressions and args.fail_on_regression else 0
+
+
+def cmd_stack(args: argparse.Namespace) -> int:
+    from infra import stack
+    from infra.servers import StackError
+
+    try:
+        return stack.run(args)
+    except (StackError, TimeoutError) as exc:
+        raise UserError(str(exc).splitlines()[0]) from exc
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    from publish.__main__ import main as publish_main
+
+    return publish_main(args.argv)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The main job on embedded defaults: data, training flow with one injected failure,
+    recovery, anchor, publishing as its own flow run, the ETT table."""
+    from flows.demo import DemoError, run_demo
+
+    try:
+        return run_demo(steps=args.steps, nproc=args.nproc, config=args.config)
+    except DemoError as exc:
+        raise UserError(str(exc)) from exc
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Validate measured jobs against the model, then project them to many GPUs."""
+    from infra import storage
+    from infra.scaling import ScalingLaws
+    from infra.simulate_report import run_simulate, tables, write_outputs
+    from infra.tables import show
+
+    config = _config(args)
+    storage.configure(config.storage)
+    named = [("baseline", args.baseline), ("optimized", args.optimized)]
+    named += [(args.job.rstrip("/").rsplit("/", 1)[-1], args.job)] if args.job else []
+    jobs = {
+        label: job if "://" in job else storage.join(config.storage.root, "jobs", job)
+        for label, job in named
+        if job
+    }
+    try:
+        if not jobs:
+            raise ValueError("give a job: JOB, --baseline JOB and/or --optimized JOB")
+        laws = ScalingLaws(
+            failures_per_gpu_day=args.failures_per_gpu_day,
+            gpus_per_node=args.gpus_per_node,
+            rendezvous_s_per_node=args.rendezvous_s_per_node,
+            measured_nodes=args.measured_nodes,
+        )
+        out = run_simulate(
+            jobs, laws, args.days, args.tolerance, args.runs, args.seed, args.validate
+        )
+        show(tables(out))
+        print(f"wrote {', '.join(str(p) for p in write_outputs(out, args.out))}")
+    except (ValueError, OSError) as exc:
+        print(f"ett simulate: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
+    return 0 if out.validated or not args.validate else 1
