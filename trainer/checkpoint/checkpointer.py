@@ -181,7 +181,7 @@ class Checkpointer:
     # -- saving -----------------------------------------------------------------------------
     def _make_stager(self) -> ShardedStateStager:
         """PyTorch's native staging; pinned/shared memory and non-blocking copies need an
-        accelerator (DESIGN.md: on CPU the default options raise). Staging buffers are
+        accelerator (on CPU the default options raise). Staging buffers are
         cached by the stager and reused by every later checkpoint."""
         on_gpu = torch.cuda.is_available()
         options = StagingOptions(
