@@ -207,12 +207,80 @@ def test_unmarked_death_counts_as_failure_and_planned_restart_is_startup(tmp_pat
     assert r.wall_s == 17.0
 
 
+def test_a_redone_step_counts_its_last_execution_not_its_first(tmp_path) -> None:
+    """Step 3 runs twice for different lengths: 1 s in attempt 0 (lost when it is killed),
+    3 s in attempt 1 (kept). The kept run is effective, the lost one wasted; taking the
+    first run as the kept one would give effective 3 and wasted 3.
+
+    a0: steps 1-2 [0,2], step 3 [2,3], killed (failure mark @4, step 3);
+    a1: step 3 [5,8], shutdown [8,9], job_end @9. W = 9: effective 1+1+3, wasted 1,
+    recovery [3,5] = 2 (a0's last event -> a1's first step), shutdown 1."""
+    url = str(tmp_path / "job")
+    clock = lambda: T0  # noqa: E731
+    with Ledger(url, attempt=0, clock=clock) as tr:
+        for step, s, e in [(1, 0, 1), (2, 1, 2), (3, 2, 3)]:
+            tr.record_span("train_step", T0 + s, T0 + e, step=step)
+    with Ledger(url, attempt=0, role="orchestrator", clock=clock) as o:
+        o.mark("failure", step=3, t=T0 + 4, cause="sigkill")
+    with Ledger(url, attempt=1, clock=clock) as tr:
+        tr.record_span("train_step", T0 + 5, T0 + 8, step=3)
+        tr.record_span("shutdown", T0 + 8, T0 + 9)
+        tr.mark("job_end", t=T0 + 9)
+    r = report_for_job(url)
+    assert r.wall_s == 9
+    assert r.buckets["effective_training"] == 5 and r.buckets["wasted_training"] == 1
+    assert r.buckets["recovery"] == 2 and r.buckets["shutdown"] == 1
+    assert r.ett_pct == pytest.approx(100 * 5 / 9)
+    assert r.observed_unsaved_s == 1 and (r.num_steps, r.num_step_executions) == (3, 4)
+    assert [s for s in r.segments if s[2] in ("effective_training", "wasted_training")] == [
+        (0, 2, "effective_training"),
+        (2, 3, "wasted_training"),
+        (5, 8, "effective_training"),
+    ]
+
+
+def test_publishing_and_the_side_evaluator_are_not_the_jobs_time(job_url: str) -> None:
+    """Publishing (its own ledger file, role "publish") runs after the job and the side
+    evaluator (role "evaluator") beside it: neither moves W nor claims any of its time."""
+    clock = lambda: T0  # noqa: E731
+    with Ledger(job_url, attempt=0, role="publish", clock=clock) as pub:
+        for name, s, e in [
+            ("publish_load", 37, 38),
+            ("publish_export", 38, 40),
+            ("publish_validate", 40, 41),
+            ("publish_register", 41, 42),
+        ]:
+            pub.record_span(name, T0 + s, T0 + e)
+    with Ledger(job_url, attempt=0, role="evaluator", clock=clock) as ev:
+        ev.record_span("async_eval", T0 + 16, T0 + 26, step=2)  # over a0's death and a1's init
+        ev.record_span("async_eval", T0 + 33, T0 + 45, step=4)  # past the job's end
+    r = report_for_job(job_url)
+    assert r.wall_s == 36.0 and r.start_time == T0
+    assert r.buckets == EXPECTED
+    assert [(a.attempt, a.outcome) for a in r.attempts] == [(0, "failed"), (1, "completed")]
+
+
 def test_empty_ledger_is_an_error() -> None:
     with pytest.raises(ValueError):
         compute_report([])
 
 
 # -- property-style checks ----------------------------------------------------------------
+# The order docs/ett.md and infra/ett.py's docstring give, spelled out here rather than
+# read from ett.PRIORITY, so the reference below cannot follow a change to the code.
+DOCUMENTED_PRIORITY = (
+    "checkpoint_blocking",
+    "eval",
+    "effective_training",
+    "wasted_training",
+    "shutdown",
+    "unknown",
+    "recovery",
+    "startup",
+    "other",
+)
+
+
 def _naive_partition(intervals, t0, t1):
     """Reference: classify the midpoint of each elementary interval by scanning all spans."""
     cuts = sorted({t0, t1, *(max(t0, min(t1, x)) for s, e, _ in intervals for x in (s, e))})
@@ -220,7 +288,7 @@ def _naive_partition(intervals, t0, t1):
     for a, b in zip(cuts, cuts[1:], strict=False):
         mid = (a + b) / 2
         cover = [k for s, e, k in intervals if s <= mid < e]
-        out[min(cover, key=ett.PRIORITY.index) if cover else "other"] += b - a
+        out[min(cover, key=DOCUMENTED_PRIORITY.index) if cover else "other"] += b - a
     return out
 
 
@@ -232,7 +300,7 @@ def test_partition_matches_naive_sweep_on_random_intervals() -> None:
         ivs = []
         for _ in range(rng.randint(0, 30)):
             s = rng.uniform(t0 - 5, t1)
-            ivs.append((s, s + rng.uniform(0, 20), rng.choice(ett.PRIORITY[:-1])))
+            ivs.append((s, s + rng.uniform(0, 20), rng.choice(DOCUMENTED_PRIORITY[:-1])))
         got, segments = partition(ivs, t0, t1)
         ref = _naive_partition(ivs, t0, t1)
         for b in ett.BUCKETS:
