@@ -28,8 +28,8 @@ from torch.distributed._shard.sharded_tensor import (
 from infra import stack, storage
 from infra.ledger import Ledger, read_events
 from infra.settings import JobConfig, load_config
-from trainer.checkpoint.checkpointer import Checkpointer
 from tests.reliability.cutting_proxy import RequestCutter
+from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.manifest import (
     MANIFEST,
     checkpoints_url,
@@ -208,10 +208,7 @@ def test_markers_of_an_earlier_try_never_complete_a_new_commit(
     the same step (a done-marker of rank 1, a failure marker) lie in the folder: the commit
     must wait for rank 1's marker of this save, and list what that one says."""
     import json
-    import threading
     import time
-
-    from trainer.checkpoint.manifest import checkpoints_url
 
     config = _config(tmp_path, "sync")
     storage.configure(config.storage)
@@ -222,10 +219,11 @@ def test_markers_of_an_earlier_try_never_complete_a_new_commit(
     storage.write_text(storage.join(url, "_failed.rank001.earlier-1.json"), "{}")
     fresh = {"__1_0.distcp": {"size": 2, "sha256": "fresh"}}
 
+    saved = threading.Event()  # rank 1 looks until rank 0's save is over, however long
+
     def rank1() -> None:
         folder = storage.local_path(url) or ""
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        while not saved.is_set():
             mine = [n for n in os.listdir(folder) if n.startswith("_done.rank000.")]
             if mine:
                 nonce = mine[0][len("_done.rank000.") : -len(".json")]
@@ -243,6 +241,7 @@ def test_markers_of_an_earlier_try_never_complete_a_new_commit(
     try:
         ckpt.save(1, lambda: (_state(group, 1.0), {"loader": {}}))
     finally:
+        saved.set()
         helper.join()
         ckpt.close()
         ledger.close()
