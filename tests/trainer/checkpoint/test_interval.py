@@ -113,3 +113,44 @@ def test_a_promoted_standby_learns_the_failures_late(tmp_path: Path) -> None:
     p.failures_seen(FailureHistory(failures=1, job_started_at=clock.t - 50))
     assert p.reason == IntervalReason.YOUNG
     assert [m["reason"] for m in marks(tmp_path)] == ["budget", "young"]
+
+
+def test_every_seconds_checkpoints_by_the_clock_only(tmp_path: Path) -> None:
+    """``every_steps: null, every_seconds: 30``: due 30 s after the last save (the save call
+    and the staging wait both restart the count), never by the step count."""
+    clock = Clock()
+    p = policy(tmp_path, clock, every_steps=None, every_seconds=30.0)
+    assert not any(p.due_at(s) for s in range(1, 1000))
+    clock.t += 29.9
+    assert not p.due_by_clock()
+    clock.t += 0.1
+    assert p.due_by_clock()
+    p.saved(0.01)
+    assert not p.due_by_clock()
+    clock.t += 29.0
+    p.staged(0.5)  # the loop waited for the staging copy until now
+    clock.t += 29.9
+    assert not p.due_by_clock()
+    clock.t += 0.1
+    assert p.due_by_clock()
+    [mark] = marks(tmp_path)
+    assert mark["reason"] == IntervalReason.FIXED and mark["interval_s"] == 30.0
+    assert mark["interval_steps"] is None
+
+
+def test_every_steps_and_every_seconds_together_take_whichever_comes_first(
+    tmp_path: Path,
+) -> None:
+    clock = Clock()
+    p = policy(tmp_path, clock, every_steps=10, every_seconds=5.0)
+    assert [s for s in range(1, 31) if p.due_at(s)] == [10, 20, 30]
+    clock.t += 5.0
+    assert p.due_by_clock()
+    assert marks(tmp_path)[0]["interval_steps"] == 10
+
+
+def test_checkpoints_off_are_never_due(tmp_path: Path) -> None:
+    clock = Clock()
+    p = policy(tmp_path, clock, mode="off", every_steps=1, every_seconds=1.0)
+    clock.t += 1e6
+    assert not p.due_by_clock() and not any(p.due_at(s) for s in range(1, 100))
