@@ -56,9 +56,6 @@ class InProcessRestart:
         """Restore the newest committed state in place; re-raises ``exc`` to escalate."""
         rec = self.config.recovery
         now = time.time()
-        self.ledger.mark(
-            Mark.IN_PROCESS_RESTART, step=failed_step, error=f"{type(exc).__name__}: {exc}"[:300]
-        )
         if not rec.in_process_restart:
             raise exc
         if self.last is not None and now - self.last < rec.in_process_window_s:
@@ -86,6 +83,14 @@ class InProcessRestart:
             log.error("nothing committed to restore in process: failing the attempt")
             raise exc
         loader.load_state_dict(resume.loader or INITIAL_POSITION)
+        # Marked only once recovered, at the exception's instant: an escalated exception is
+        # the orchestrator's failure of the attempt, and must not count twice.
+        self.ledger.mark(
+            Mark.IN_PROCESS_RESTART,
+            step=failed_step,
+            t=now,
+            error=f"{type(exc).__name__}: {exc}"[:300],
+        )
         return resume
 
     def _agree(self, timeout_s: float) -> bool:
