@@ -202,7 +202,7 @@ def report(targets: list[Target]) -> int:
                 elif result.worker_outcome != WorkerOutcome.NORMAL:
                     counts[module]["error"] += 1
                 else:
-                    counts[module][str(result.test_outcome)] += 1
+                    counts[module][TestOutcome(result.test_outcome).value] += 1
                     if result.test_outcome == TestOutcome.SURVIVED:
                         line = m.start_pos[0]
                         op = m.operator_name.replace("core/", "")
