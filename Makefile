@@ -12,7 +12,7 @@ TORCH_INDEX ?=
 PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint bench bench-ett gpu-check stack stack-down clean
+.PHONY: install demo test lint bench bench-ett gpu-check mutate breaks stack stack-down clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,15 @@ bench-ett: install
 # On a GPU machine (<= 8 min); `make test` runs its --dry-run (tests/test_gpu_check.py).
 gpu-check: install
 	$(BIN)/python benchmarks/gpu_check.py
+
+# Mutation testing of the core (mutation/run.py, docs/testing.md): CPU-heavy, not in `make
+# test`. MUTATE_ARGS: target names, --fresh, --survivors, --report, --pause-file F.
+mutate: install
+	$(BIN)/python mutation/run.py $(MUTATE_ARGS)
+
+# The break table of docs/testing.md: deliberate one-line bugs, each must fail a fast test.
+breaks: install
+	$(BIN)/python mutation/breaks.py
 
 stack: install
 	$(BIN)/ett stack up

@@ -6,7 +6,7 @@ overlap (launcher_init over trainer init, a checkpoint nested in a step), so an 
 several cover goes to the first in ``PRIORITY`` (a sweep over elementary intervals):
 
     checkpoint_blocking > eval > effective_training > wasted_training > shutdown
-        > recovery (window) > startup (window) > other
+        > unknown > recovery (window) > startup (window) > other
 
 ``startup`` is W's start up to the first attempt's first train_step (or its death, if it never
 stepped), plus a planned restart (an attempt ended by shutdown without job_end) up to the next

@@ -11,6 +11,9 @@ sigkill -> SIGKILL itself, sigterm -> commit and exit 83 (preempted), hang -> st
 while still printing a line every 0.1 s (output is not progress). A real SIGTERM is a
 preemption too (commit at the next step boundary, exit 83).
 
+FAKE_HANG_LIMIT_S=<s>: a hang nobody ended gives up after s seconds and exits 1 (a crash),
+so a broken hang detector fails its test's assertions instead of stalling it.
+
 FAKE_EXIT_CODE=<n> exits at once with n (e.g. 2, a bad config) after marking attempt_start.
 FAKE_RANK_CHILD=<path> starts a child in a session of its own, as torchrun does with its
 ranks, which only a whole-tree kill ends; its pid goes to ``<path>.<attempt>``.
@@ -88,7 +91,11 @@ def main(control: RankControl | None) -> int:
             return ExitCode.CRASH
         if kind == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
+        give_up = time.monotonic() + float(os.environ.get("FAKE_HANG_LIMIT_S", "3600"))
         while kind == "hang" and not preempted:
+            if time.monotonic() > give_up:
+                print("hang never detected: giving up", flush=True)
+                return ExitCode.CRASH
             print("still here, not stepping", flush=True)
             time.sleep(0.1)
         with ledger.span(Span.TRAIN_STEP, step=step):

@@ -206,6 +206,7 @@ def _train(
     model_flops = record_model_flops(ledger, config, env.device, env.world_size)
     stats = LoopStats()
     step = last_saved = parts.start_step
+    finished = step  # the last step that ran to its end: what the last report says
     try:
         while step < config.train.steps:
             by_clock = env.is_main and step > last_saved and policy.due_by_clock()
@@ -233,8 +234,9 @@ def _train(
             except Exception as exc:  # noqa: BLE001 - recovered in place, or re-raised
                 resume = restarter.recover(exc, step, model, optimizer, loader, checkpointer)
                 step, batches, pending = resume.step, iter(loader), None
-                last_saved = step
+                last_saved = finished = step
                 continue
+            finished = step
             policy.step_done(time.perf_counter() - t0, checkpointer.commit_running)
             stats.add(loss, len(batch))
             if report is not None:
@@ -260,8 +262,8 @@ def _train(
         return _shutdown(config, parts, ledger, stats, step, snapshot, eval_mode)
     finally:
         checkpointer.close()
-        if report is not None:
-            report(Phase.DONE, step, config.train.steps)
+        if report is not None:  # never the step that failed: it did not happen
+            report(Phase.DONE, finished, config.train.steps)
 
 
 def _evaluate(parts: Components, ledger: Ledger, stats: LoopStats, step: int) -> None:

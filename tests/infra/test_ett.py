@@ -33,8 +33,15 @@ import uuid
 import pytest
 
 from infra import ett, storage
-from infra.ett import compute_report, partition, report_for_job
-from infra.ledger import INIT_SPANS, Ledger, ledger_url, read_events
+from infra.ett import (
+    FailureRecord,
+    StandbyRecord,
+    compute_report,
+    critical_path,
+    partition,
+    report_for_job,
+)
+from infra.ledger import INIT_SPANS, Event, Ledger, ledger_url, read_events
 
 T0 = 1_700_000_000.0  # realistic Unix times: exactness must survive large magnitudes
 
@@ -133,6 +140,7 @@ def test_hand_computed_buckets_and_l1_metrics(job_url: str) -> None:
         (1, "completed", 3, 5),
     ]
     assert r.finished and r.rank_step_median_s == {0: 2.0, 1: 2.5}
+    assert r.checkpoint_interval_reason is None and r.checkpoint_interval_steps is None
 
 
 def test_startup_substages_and_critical_path(job_url: str) -> None:
@@ -207,12 +215,80 @@ def test_unmarked_death_counts_as_failure_and_planned_restart_is_startup(tmp_pat
     assert r.wall_s == 17.0
 
 
+def test_a_redone_step_counts_its_last_execution_not_its_first(tmp_path) -> None:
+    """Step 3 runs twice for different lengths: 1 s in attempt 0 (lost when it is killed),
+    3 s in attempt 1 (kept). The kept run is effective, the lost one wasted; taking the
+    first run as the kept one would give effective 3 and wasted 3.
+
+    a0: steps 1-2 [0,2], step 3 [2,3], killed (failure mark @4, step 3);
+    a1: step 3 [5,8], shutdown [8,9], job_end @9. W = 9: effective 1+1+3, wasted 1,
+    recovery [3,5] = 2 (a0's last event -> a1's first step), shutdown 1."""
+    url = str(tmp_path / "job")
+    clock = lambda: T0  # noqa: E731
+    with Ledger(url, attempt=0, clock=clock) as tr:
+        for step, s, e in [(1, 0, 1), (2, 1, 2), (3, 2, 3)]:
+            tr.record_span("train_step", T0 + s, T0 + e, step=step)
+    with Ledger(url, attempt=0, role="orchestrator", clock=clock) as o:
+        o.mark("failure", step=3, t=T0 + 4, cause="sigkill")
+    with Ledger(url, attempt=1, clock=clock) as tr:
+        tr.record_span("train_step", T0 + 5, T0 + 8, step=3)
+        tr.record_span("shutdown", T0 + 8, T0 + 9)
+        tr.mark("job_end", t=T0 + 9)
+    r = report_for_job(url)
+    assert r.wall_s == 9
+    assert r.buckets["effective_training"] == 5 and r.buckets["wasted_training"] == 1
+    assert r.buckets["recovery"] == 2 and r.buckets["shutdown"] == 1
+    assert r.ett_pct == pytest.approx(100 * 5 / 9)
+    assert r.observed_unsaved_s == 1 and (r.num_steps, r.num_step_executions) == (3, 4)
+    assert [s for s in r.segments if s[2] in ("effective_training", "wasted_training")] == [
+        (0, 2, "effective_training"),
+        (2, 3, "wasted_training"),
+        (5, 8, "effective_training"),
+    ]
+
+
+def test_publishing_and_the_side_evaluator_are_not_the_jobs_time(job_url: str) -> None:
+    """Publishing (its own ledger file, role "publish") runs after the job and the side
+    evaluator (role "evaluator") beside it: neither moves W nor claims any of its time."""
+    clock = lambda: T0  # noqa: E731
+    with Ledger(job_url, attempt=0, role="publish", clock=clock) as pub:
+        for name, s, e in [
+            ("publish_load", 37, 38),
+            ("publish_export", 38, 40),
+            ("publish_validate", 40, 41),
+            ("publish_register", 41, 42),
+        ]:
+            pub.record_span(name, T0 + s, T0 + e)
+    with Ledger(job_url, attempt=0, role="evaluator", clock=clock) as ev:
+        ev.record_span("async_eval", T0 + 16, T0 + 26, step=2)  # over a0's death and a1's init
+        ev.record_span("async_eval", T0 + 33, T0 + 45, step=4)  # past the job's end
+    r = report_for_job(job_url)
+    assert r.wall_s == 36.0 and r.start_time == T0
+    assert r.buckets == EXPECTED
+    assert [(a.attempt, a.outcome) for a in r.attempts] == [(0, "failed"), (1, "completed")]
+
+
 def test_empty_ledger_is_an_error() -> None:
     with pytest.raises(ValueError):
         compute_report([])
 
 
 # -- property-style checks ----------------------------------------------------------------
+# The order docs/ett.md and infra/ett.py's docstring give, spelled out here rather than
+# read from ett.PRIORITY, so the reference below cannot follow a change to the code.
+DOCUMENTED_PRIORITY = (
+    "checkpoint_blocking",
+    "eval",
+    "effective_training",
+    "wasted_training",
+    "shutdown",
+    "unknown",
+    "recovery",
+    "startup",
+    "other",
+)
+
+
 def _naive_partition(intervals, t0, t1):
     """Reference: classify the midpoint of each elementary interval by scanning all spans."""
     cuts = sorted({t0, t1, *(max(t0, min(t1, x)) for s, e, _ in intervals for x in (s, e))})
@@ -220,7 +296,7 @@ def _naive_partition(intervals, t0, t1):
     for a, b in zip(cuts, cuts[1:], strict=False):
         mid = (a + b) / 2
         cover = [k for s, e, k in intervals if s <= mid < e]
-        out[min(cover, key=ett.PRIORITY.index) if cover else "other"] += b - a
+        out[min(cover, key=DOCUMENTED_PRIORITY.index) if cover else "other"] += b - a
     return out
 
 
@@ -232,7 +308,7 @@ def test_partition_matches_naive_sweep_on_random_intervals() -> None:
         ivs = []
         for _ in range(rng.randint(0, 30)):
             s = rng.uniform(t0 - 5, t1)
-            ivs.append((s, s + rng.uniform(0, 20), rng.choice(ett.PRIORITY[:-1])))
+            ivs.append((s, s + rng.uniform(0, 20), rng.choice(DOCUMENTED_PRIORITY[:-1])))
         got, segments = partition(ivs, t0, t1)
         ref = _naive_partition(ivs, t0, t1)
         for b in ett.BUCKETS:
@@ -355,6 +431,138 @@ def test_save_and_staging_wait_of_one_checkpoint_count_once(tmp_path) -> None:
     assert report.checkpoint_blocking_total_s == pytest.approx(0.2)
     assert report.checkpoint_blocking_mean_s == pytest.approx(0.1)  # 2 checkpoints, not 3
     assert report.checkpoint_interval_s == pytest.approx(2.0)
+    assert report.checkpoint_interval_steps == 2.0
+
+
+def test_the_report_names_the_last_interval_the_trainer_chose(tmp_path) -> None:
+    led = Ledger(f"file://{tmp_path}/job", clock=lambda: 0.0)
+    led.mark("checkpoint_interval", t=0.5, reason="first", interval_s=1.0)
+    for step in (1, 2, 3):
+        led.record_span("train_step", float(step), step + 1.0, step=step)
+    led.mark("checkpoint_interval", t=2.5, reason="budget", interval_s=40.0)
+    led.mark("job_end", step=3, t=4.0)
+    led.close()
+    assert report_for_job(f"file://{tmp_path}/job").checkpoint_interval_reason == "budget"
+
+
+def test_no_interval_is_made_up_without_training_or_checkpoints(tmp_path) -> None:
+    """An attempt preempted during init: its save on SIGTERM found the step committed (a
+    blocking span, no step). With no training there is no observed interval, and without
+    checkpoints no predicted blocking, even with an interval given."""
+    url = f"file://{tmp_path}/job"
+    with Ledger(url, clock=lambda: 0.0) as led:
+        led.record_span("device_init", 0.0, 1.0)
+        led.record_span("checkpoint_blocking", 1.0, 1.5, step=5)
+    r = report_for_job(url)
+    assert (r.train_loop_s, r.checkpoint_interval_s) == (0.0, None)
+    assert r.predicted_unsaved_s is None and r.predicted_blocking_s is None
+    bare = f"file://{tmp_path}/bare"
+    with Ledger(bare, clock=lambda: 0.0) as led:
+        led.record_span("train_step", 0.0, 1.0, step=1)
+    r = report_for_job(bare, interval_s=10.0)
+    assert r.checkpoint_interval_s == 10.0 and r.predicted_blocking_s is None
+    assert r.predicted_unsaved_s == 0.0  # no failure
+
+
+def test_critical_path_ends_at_the_stage_that_ends_last_the_earliest_on_a_tie() -> None:
+    """Two stages end together: the one that began first spans the other, and is the end
+    of the path (alone: nothing began before it)."""
+
+    def span(name: str, start: float, end: float) -> Event:
+        return Event("span", name, start, end, attempt=0, rank=0)
+
+    long, short = span("pre_train", 0.0, 5.0), span("get_first_batch_data", 3.0, 5.0)
+    assert [e.name for e in critical_path([short, long])] == ["pre_train"]
+    first = span("device_init", 0.0, 2.0)
+    assert [e.name for e in critical_path([short, first])] == ["device_init", short.name]
+
+
+def test_a_promoted_standby_counts_from_its_promotion(tmp_path) -> None:
+    """a0: device_init [0,2], steps 1-4 [2,6], killed (failure mark @8, step 4).
+    a1, the standby: starts @3 (beside a0), device_init [3,5], parked @5, promoted @8,
+    restores [8,9], steps 3-5 [9,12], shutdown [12,13], job_end @13.
+    a2, a standby never promoted: starts @10, parked @11: none of the job's time.
+
+    W = 13: startup [0,2], effective 1-2 + 3-5 = 5, wasted a0's 3-4 = 2, recovery [6,9] = 3
+    (a1's restore inside it), shutdown 1. a1's pre-warm: 2 s, parked 3 s, promoted at 8."""
+    url = str(tmp_path / "job")
+    clock = lambda: T0  # noqa: E731
+    with Ledger(url, attempt=0, clock=clock) as tr:
+        tr.record_span("device_init", T0, T0 + 2)
+        _steps(tr, 1, 2, 4)
+    with Ledger(url, attempt=0, role="orchestrator", clock=clock) as o:
+        o.mark("failure", step=4, t=T0 + 8, cause="sigkill")
+    with Ledger(url, attempt=1, clock=clock) as tr:
+        tr.mark("attempt_start", t=T0 + 3, standby=True)
+        tr.record_span("device_init", T0 + 3, T0 + 5)
+        tr.mark("standby_ready", t=T0 + 5)
+        tr.mark("promoted", t=T0 + 8)
+        tr.record_span("pre_train", T0 + 8, T0 + 9)
+        _steps(tr, 3, 9, 3)
+        tr.record_span("shutdown", T0 + 12, T0 + 13)
+        tr.mark("job_end", step=5, t=T0 + 13)
+    with Ledger(url, attempt=2, clock=clock) as tr:
+        tr.mark("attempt_start", t=T0 + 10, standby=True)
+        tr.record_span("device_init", T0 + 10, T0 + 11)
+        tr.mark("standby_ready", t=T0 + 11)
+    r = report_for_job(url)
+    assert r.wall_s == 13 and r.start_time == T0
+    assert r.buckets == {
+        "effective_training": 5,
+        "wasted_training": 2,
+        "checkpoint_blocking": 0,
+        "startup": 2,
+        "recovery": 3,
+        "eval": 0,
+        "shutdown": 1,
+        "unknown": 0,
+        "other": 0,
+    }
+    assert r.standbys == (StandbyRecord(attempt=1, prewarm_s=2, parked_s=3, promoted_at=8),)
+    assert [(a.attempt, a.outcome, a.start) for a in r.attempts] == [
+        (0, "failed", 0),
+        (1, "completed", 8),
+    ]
+    assert r.failures == (
+        FailureRecord(0, "sigkill", 4, died_at=6, detected_at=8, resumed_at=9, time_to_recover_s=3),
+    )
+    assert r.time_to_start_s == 2 and r.init[1].wall_s == 1  # promoted -> its first step
+
+
+def test_an_in_process_restart_is_a_failure_inside_the_attempt(tmp_path) -> None:
+    """One attempt: device_init [0,1], steps 1-3 [1,4]; step 4 raises @4.5 and is recovered
+    in place from the commit of step 2; steps 3-5 [6,9], shutdown [9,10], job_end @10.
+
+    W = 10: startup 1, effective 1-2 + 3-5 = 5, wasted the first step 3 = 1, other [4,4.5]
+    (step 4 ran, unrecorded, until it raised), recovery [4.5,6] = 1.5, shutdown 1."""
+    url = str(tmp_path / "job")
+    with Ledger(url, clock=lambda: T0) as tr:
+        tr.record_span("device_init", T0, T0 + 1)
+        _steps(tr, 1, 1, 3)
+        tr.mark("in_process_restart", step=4, t=T0 + 4.5, error="RuntimeError: boom")
+        tr.mark("resume", step=2, t=T0 + 5.5, in_process=True)
+        _steps(tr, 3, 6, 3)
+        tr.record_span("shutdown", T0 + 9, T0 + 10)
+        tr.mark("job_end", step=5, t=T0 + 10)
+    r = report_for_job(url)
+    assert r.wall_s == 10
+    expected = {"startup": 1, "effective_training": 5, "wasted_training": 1, "other": 0.5}
+    assert {b: r.buckets[b] for b in expected} == expected
+    assert r.buckets["recovery"] == 1.5 and r.buckets["shutdown"] == 1
+    assert r.failures == (
+        FailureRecord(
+            attempt=0,
+            cause="crash",
+            last_step=4,
+            died_at=4.5,
+            detected_at=4.5,
+            resumed_at=6,
+            time_to_recover_s=1.5,
+            in_process=True,
+        ),
+    )
+    assert r.num_failures == 1 and r.failure_pct == pytest.approx(100 * 2.5 / 10)
+    assert [(a.outcome, a.first_step, a.last_step) for a in r.attempts] == [("completed", 1, 5)]
 
 
 # -- time the ledger cannot see -------------------------------------------------------------

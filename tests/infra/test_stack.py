@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -33,11 +32,11 @@ def test_wait_healthy_times_out_with_the_log_tail(tmp_path):
 def test_a_server_that_exits_is_reported_at_once_with_its_log(tmp_path, monkeypatch):
     crash = [sys.executable, "-c", "print('boom: bad flag'); raise SystemExit(3)"]
     monkeypatch.setattr(servers, "_command", lambda *args: (crash, {}))
-    t0 = time.monotonic()
     service = servers.launch("prefect", tmp_path)
-    with pytest.raises(servers.StackError, match="(?s)code 3.*boom: bad flag"):
+    # A StackError naming the exit code: seen as an exit, not waited out (that would be a
+    # TimeoutError after timeout_s, without the code).
+    with pytest.raises(servers.StackError, match="(?s)exited with code 3.*boom: bad flag"):
         servers.wait_ready(service, timeout_s=60)
-    assert time.monotonic() - t0 < 20
 
 
 def test_launch_refuses_a_busy_port_and_mlflow_without_s3(tmp_path):

@@ -4,6 +4,7 @@ standby, the watch and the process-tree handling are exercised in seconds."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from tasks.attempts import (
     LaunchSpec,
     RetryPolicy,
     Timeouts,
+    watch,
 )
 from tests.factories import tiny_config
 
@@ -171,6 +173,12 @@ def test_same_failure_repeating_backs_off(tmp_path: Path) -> None:
     assert _fake_pids() == []
 
 
+# A hang nobody detects ends the fake's hang as a crash after this long (20x hang_s below),
+# so a broken detector fails the assertions; the marker is the backstop.
+HANG_LIMIT = {"FAKE_HANG_LIMIT_S": "30"}
+
+
+@pytest.mark.timeout(120)
 def test_hang_with_chatty_output_is_killed_with_its_whole_tree(tmp_path: Path) -> None:
     """The hung trainer keeps printing: output is not progress. It also has a child in a
     session of its own (as torchrun's ranks are): the tree kill must end it too."""
@@ -182,7 +190,7 @@ def test_hang_with_chatty_output_is_killed_with_its_whole_tree(tmp_path: Path) -
         RetryPolicy(backoff_s=0),
         standby=False,
         timeouts=timeouts,
-        env={"FAKE_RANK_CHILD": str(tmp_path / "child")},
+        env={"FAKE_RANK_CHILD": str(tmp_path / "child"), **HANG_LIMIT},
     )
     assert [a.outcome for a in outcome.attempts] == [Outcome.HANG, Outcome.SUCCESS]
     mark = next(e for e in read_events(config.job_url) if e.name == Mark.FAILURE)
@@ -192,6 +200,50 @@ def test_hang_with_chatty_output_is_killed_with_its_whole_tree(tmp_path: Path) -
     assert len(children) == 2  # one per attempt: the hung one's and the successful one's
     alive = [pid for pid in children if processes.pid_alive(pid)]
     assert alive == [], f"a rank's child outlived its attempt: {alive}"
+
+
+@pytest.mark.timeout(120)
+def test_the_hang_kill_itself_ends_every_process_of_the_attempt(tmp_path: Path) -> None:
+    """``watch`` ends a hung attempt's whole tree before it returns, not only its agent:
+    right after it, the orchestrator recovers the ranks' ledger spools, which it does only
+    for processes that are gone. The hung fake gets SIGTERM (a preemption: it commits and
+    exits); its child in a session of its own must be gone too."""
+    faults = [{"kind": "hang", "step": 3, "attempt": 0}]
+    env = {"FAKE_RANK_CHILD": str(tmp_path / "child"), **HANG_LIMIT}
+    _, spec = _spec(tmp_path, faults, **env)
+    attempt = AttemptProcess.spawn(spec, 0, False, {}, logging.getLogger("test-watch"))
+    try:
+        code, hung, last = watch(attempt, Timeouts(hang_s=1.0, startup_s=60, grace_s=5.0))
+        assert hung and last is not None and last.step == 2
+        assert code == ExitCode.PREEMPTED  # it was asked to stop, and did, within the grace
+        child = int((tmp_path / "child.0").read_text())
+        left = [p for p in (attempt.procs[0].pid, child) if processes.pid_alive(p)]
+        assert left == [], f"alive after the hang kill: {left}"
+    finally:
+        attempt.end(0.0, preempt=False)
+
+
+def test_preemptions_are_not_failures(tmp_path: Path) -> None:
+    """Two preemptions with max_failures=0: not one failure, the job succeeds."""
+    faults = [{"kind": "sigterm", "step": 3 + a, "attempt": a} for a in range(2)]
+    policy = RetryPolicy(max_failures=0, max_preemptions=2)
+    _, outcome, sleeps = _run(tmp_path, faults, policy, standby=False, steps=8)
+    assert outcome.succeeded, outcome.message
+    assert [a.outcome for a in outcome.attempts] == [Outcome.PREEMPTED] * 2 + [Outcome.SUCCESS]
+    assert [a.last_step for a in outcome.attempts] == [3, 4, 8]
+    assert outcome.failures == 0 and outcome.preemptions == 2 and sleeps == []
+    assert outcome.message == "succeeded on attempt 2 after 0 failure(s) and 2 preemption(s)"
+
+
+def test_an_endless_preemption_loop_stops_at_max_preemptions(tmp_path: Path) -> None:
+    faults = [{"kind": "sigterm", "step": 3 + a, "attempt": a} for a in range(4)]
+    policy = RetryPolicy(max_failures=0, max_preemptions=2)
+    _, outcome, sleeps = _run(tmp_path, faults, policy, standby=False, steps=8)
+    assert not outcome.succeeded
+    assert [a.outcome for a in outcome.attempts] == [Outcome.PREEMPTED] * 3
+    assert outcome.message == "preempted 3 times, more than max_preemptions=2"
+    assert outcome.failures == 0 and sleeps == []
+    assert _fake_pids() == []
 
 
 def test_bad_config_is_not_retried(tmp_path: Path) -> None:

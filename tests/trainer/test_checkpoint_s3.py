@@ -114,7 +114,8 @@ def test_two_rank_job_commits_on_s3_and_resumes(
         assert anchor.manifest.anchor
         events = read_events(config.job_url)
         assert not [e for e in events if e.name == "checkpoint_failed"]
-        assert sorted(e.step for e in events if e.name == "checkpoint_committed" and e.rank == 0)
+        commits = [e.step for e in events if e.name == "checkpoint_committed" and e.rank == 0]
+        assert commits == [5, 10, 12], commits
         assert [e.step for e in events if e.name == "anchor_committed"] == [12]
 
         more = s3_config(
@@ -128,6 +129,36 @@ def test_two_rank_job_commits_on_s3_and_resumes(
         assert resumes == {(1, 0, 12), (1, 1, 12)}, resumes
         assert check_committed(more, world_size=2) == [17, 15, 12]
         assert committed_checkpoints(more.job_url)[0].manifest.anchor
+    finally:
+        storage.configure(None)
+
+
+def test_a_kill_right_before_the_manifest_leaves_the_step_uncommitted(
+    tmp_path: Path, data_url: str, s3_server: str
+) -> None:
+    """SIGKILL of the trainer once every file of step 10 is on S3, right before its manifest:
+    step 10 is not committed (the manifest is the commit), step 5 stays the latest, and the
+    next attempt resumes from step 5 and commits step 10 again, whole."""
+    fault = {"kind": "sigkill_before_manifest", "step": 10, "attempt": 0}
+    config = s3_config(tmp_path, data_url, s3_server, steps=15, faults=[fault])
+    storage.configure(config.storage)
+    try:
+        result = run_trainer(config, tmp_path)
+        assert result.returncode == 128 + signal.SIGKILL, (result.stdout + result.stderr)[-3000:]
+        assert [c.step for c in committed_checkpoints(config.job_url)] == [5]
+        step10 = storage.join(checkpoints_url(config.job_url), step_dir_name(10))
+        left = set(storage.listdir(step10))
+        assert MANIFEST not in left and {".metadata", "config.yaml"} <= left, left
+        assert any(name.startswith("_done.rank000.") for name in left), left
+
+        again = s3_config(
+            tmp_path, data_url, s3_server, steps=15, storage={"root": config.storage.root}
+        )
+        result = run_trainer(again, tmp_path)
+        assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+        resumes = [e.step for e in read_events(config.job_url) if e.name == "resume"]
+        assert resumes == [5], resumes
+        assert check_committed(again, world_size=1) == [15, 10, 5]
     finally:
         storage.configure(None)
 

@@ -8,7 +8,10 @@ even though the loop changes the weights as soon as ``save`` (sync, async) or
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import threading
+import urllib.parse
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -25,8 +28,15 @@ from torch.distributed._shard.sharded_tensor import (
 from infra import servers, storage
 from infra.ledger import Ledger, read_events
 from infra.settings import JobConfig, load_config
+from tests.reliability.cutting_proxy import RequestCutter
 from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.checkpoint.manifest import committed_checkpoints, step_dir_name
+from trainer.checkpoint.manifest import (
+    MANIFEST,
+    checkpoints_url,
+    committed_checkpoints,
+    step_dir_name,
+    verify_files,
+)
 
 ROWS, DIM = 64, 8
 
@@ -198,10 +208,7 @@ def test_markers_of_an_earlier_try_never_complete_a_new_commit(
     the same step (a done-marker of rank 1, a failure marker) lie in the folder: the commit
     must wait for rank 1's marker of this save, and list what that one says."""
     import json
-    import threading
     import time
-
-    from trainer.checkpoint.manifest import checkpoints_url
 
     config = _config(tmp_path, "sync")
     storage.configure(config.storage)
@@ -212,10 +219,11 @@ def test_markers_of_an_earlier_try_never_complete_a_new_commit(
     storage.write_text(storage.join(url, "_failed.rank001.earlier-1.json"), "{}")
     fresh = {"__1_0.distcp": {"size": 2, "sha256": "fresh"}}
 
+    saved = threading.Event()  # rank 1 looks until rank 0's save is over, however long
+
     def rank1() -> None:
         folder = storage.local_path(url) or ""
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        while not saved.is_set():
             mine = [n for n in os.listdir(folder) if n.startswith("_done.rank000.")]
             if mine:
                 nonce = mine[0][len("_done.rank000.") : -len(".json")]
@@ -233,6 +241,7 @@ def test_markers_of_an_earlier_try_never_complete_a_new_commit(
     try:
         ckpt.save(1, lambda: (_state(group, 1.0), {"loader": {}}))
     finally:
+        saved.set()
         helper.join()
         ckpt.close()
         ledger.close()
@@ -240,3 +249,157 @@ def test_markers_of_an_earlier_try_never_complete_a_new_commit(
     [committed] = committed_checkpoints(config.job_url)
     assert committed.manifest.files["__1_0.distcp"].sha256 == "fresh"
     assert committed.manifest.nonce and committed.manifest.nonce != "earlier-0"
+
+
+# -- the save on SIGTERM: the whole of it within the preemption budget ----------------------
+class HeldAt:
+    """An ``on_phase`` hook that holds one checkpoint at one phase until released: an upload
+    that outlasts any budget, by the order of events rather than by a sleep."""
+
+    def __init__(self, phase: str, step: int) -> None:
+        self.phase, self.step = phase, step
+        self.reached, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, phase: str, step: int) -> None:
+        if (phase, step) == (self.phase, self.step):
+            self.reached.set()
+            self.release.wait()
+
+
+def _checkpointer(
+    tmp_path, config: JobConfig, group: dist.ProcessGroup, on_phase: Callable | None = None
+) -> tuple[Checkpointer, Ledger]:
+    storage.configure(config.storage)
+    ledger = Ledger(f"file://{tmp_path}/ledger")
+    hook = {"on_phase": on_phase} if on_phase is not None else {}
+    return Checkpointer(config, 0, 1, ledger, process_group=group, **hook), ledger
+
+
+def _failed_marks(tmp_path) -> list[tuple[int | None, str]]:
+    events = read_events(f"file://{tmp_path}/ledger")
+    return [(e.step, e.attrs["error"]) for e in events if e.name == "checkpoint_failed"]
+
+
+def test_emergency_save_waits_for_the_inflight_one_and_commits_its_step(
+    tmp_path, group: dist.ProcessGroup
+) -> None:
+    ckpt, ledger = _checkpointer(tmp_path, _config(tmp_path, "async"), group)
+    state = _state(group, 1.0)
+    try:
+        ckpt.save(1, lambda: (state, {"loader": {}}))  # still committing on its thread
+        _fill(state, 2.0)
+        assert ckpt.emergency_save(2, lambda: (state, {"loader": {}}), budget_s=120)
+        # Asked again at a committed step (a second SIGTERM): nothing written, still saved.
+        assert ckpt.emergency_save(2, lambda: (state, {"loader": {}}), budget_s=120)
+    finally:
+        ckpt.close()
+        ledger.close()
+    assert [c.step for c in committed_checkpoints(_config(tmp_path, "async").job_url)] == [2, 1]
+    assert ckpt.skipped_steps == [2] and ckpt.failed_steps == []
+    loaded = _load(committed_checkpoints(_config(tmp_path, "async").job_url)[0].url, group)
+    assert torch.equal(loaded["model"]["dense.weight"], torch.full((ROWS, DIM), 2.0))
+
+
+@pytest.mark.timeout(120)
+def test_emergency_save_abandons_an_inflight_upload_that_outlasts_the_budget(
+    tmp_path, group: dist.ProcessGroup
+) -> None:
+    """The checkpoint of step 1 is stuck in its upload: the save on SIGTERM gives up when
+    the budget is spent (False: the attempt exits EMERGENCY_SAVE_FAILED), and closing the
+    checkpointer does not wait for the stuck upload (it would wait forever)."""
+    config = _config(tmp_path, "async")
+    held = HeldAt("written", 1)
+    ckpt, ledger = _checkpointer(tmp_path, config, group, held)
+    state = _state(group, 1.0)
+    try:
+        ckpt.save(1, lambda: (state, {"loader": {}}))
+        assert held.reached.wait(60)
+        assert not ckpt.emergency_save(2, lambda: (state, {"loader": {}}), budget_s=0.2)
+        ckpt.close()  # returns although step 1's upload is still held
+        assert held.reached.is_set() and not held.release.is_set()
+        assert committed_checkpoints(config.job_url) == []
+        assert not storage.exists(storage.join(checkpoints_url(config.job_url), step_dir_name(2)))
+    finally:
+        held.release.set()
+        ledger.close()
+
+
+@pytest.mark.timeout(120)
+def test_emergency_save_that_outlasts_the_budget_is_not_the_latest(
+    tmp_path, group: dist.ProcessGroup
+) -> None:
+    """The new save itself is stuck before its manifest: False once the budget is spent, a
+    ``checkpoint_failed`` mark says why, and the previous checkpoint stays the latest."""
+    config = _config(tmp_path, "sync")
+    held = HeldAt("before_manifest", 2)
+    ckpt, ledger = _checkpointer(tmp_path, config, group, held)
+    state = _state(group, 1.0)
+    try:
+        ckpt.save(1, lambda: (state, {"loader": {}}))
+        assert not ckpt.emergency_save(2, lambda: (state, {"loader": {}}), budget_s=0.2)
+        ckpt.close()  # does not wait for the abandoned save
+        assert not held.release.is_set()
+        assert [c.step for c in committed_checkpoints(config.job_url)] == [1]
+        assert _failed_marks(tmp_path) == [(2, "preemption budget exceeded")]
+    finally:
+        held.release.set()
+        ledger.close()
+
+
+def test_emergency_save_with_checkpoints_off_writes_nothing(
+    tmp_path, group: dist.ProcessGroup
+) -> None:
+    config = _config(tmp_path, "off")
+    ckpt, ledger = _checkpointer(tmp_path, config, group)
+    try:
+        assert ckpt.emergency_save(3, lambda: (_state(group, 1.0), {}), budget_s=1)
+    finally:
+        ckpt.close()
+        ledger.close()
+    assert not storage.exists(checkpoints_url(config.job_url))
+
+
+# -- manifest last, on a real S3 endpoint -------------------------------------------------
+@pytest.fixture
+def s3_proxy(s3_server: str) -> Iterator[RequestCutter]:
+    port = urllib.parse.urlsplit(s3_server).port
+    assert port is not None
+    proxy = RequestCutter(("127.0.0.1", port)).start()
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+        storage.configure(None)
+
+
+def test_on_s3_a_failed_upload_leaves_its_step_uncommitted(
+    tmp_path, group: dist.ProcessGroup, s3_proxy: RequestCutter
+) -> None:
+    """The manifest is written last, after every file is uploaded: when the upload of step
+    2's DCP metadata is reset (no retries), step 2 has no manifest and step 1 stays the
+    latest, whole."""
+    config = load_config(
+        job_id="s3-manifest-last",
+        storage={
+            "root": f"s3://ett/{uuid.uuid4().hex[:12]}",
+            "s3_endpoint_url": s3_proxy.url,
+            "retries": 0,
+        },
+        checkpoint={"mode": "sync", "every_steps": 1, "keep_latest_k": 2},
+    )
+    ckpt, ledger = _checkpointer(tmp_path, config, group)
+    state = _state(group, 1.0)
+    try:
+        ckpt.save(1, lambda: (state, {"loader": {}}))
+        cut = s3_proxy.cut("PUT", rf"/{step_dir_name(2)}/\.metadata")
+        ckpt.save(2, lambda: (state, {"loader": {}}))
+    finally:
+        ckpt.close()
+        ledger.close()
+    assert cut.count > 0 and ckpt.failed_steps == [2]
+    [latest] = committed_checkpoints(config.job_url)
+    assert latest.step == 1
+    verify_files(latest.url, latest.manifest)
+    step2 = storage.join(checkpoints_url(config.job_url), step_dir_name(2))
+    assert not storage.exists(storage.join(step2, MANIFEST))
+    assert [step for step, _ in _failed_marks(tmp_path)] == [2]

@@ -113,3 +113,93 @@ def test_a_promoted_standby_learns_the_failures_late(tmp_path: Path) -> None:
     p.failures_seen(FailureHistory(failures=1, job_started_at=clock.t - 50))
     assert p.reason == IntervalReason.YOUNG
     assert [m["reason"] for m in marks(tmp_path)] == ["budget", "young"]
+
+
+def test_every_seconds_checkpoints_by_the_clock_only(tmp_path: Path) -> None:
+    """``every_steps: null, every_seconds: 30``: due 30 s after the last save (the save call
+    and the staging wait both restart the count), never by the step count."""
+    clock = Clock()
+    p = policy(tmp_path, clock, every_steps=None, every_seconds=30.0)
+    assert not any(p.due_at(s) for s in range(1, 1000))
+    clock.t += 29.9
+    assert not p.due_by_clock()
+    clock.t += 0.1
+    assert p.due_by_clock()
+    p.saved(0.01)
+    assert not p.due_by_clock()
+    clock.t += 29.0
+    p.staged(0.5)  # the loop waited for the staging copy until now
+    clock.t += 29.9
+    assert not p.due_by_clock()
+    clock.t += 0.1
+    assert p.due_by_clock()
+    [mark] = marks(tmp_path)
+    assert mark["reason"] == IntervalReason.FIXED and mark["interval_s"] == 30.0
+    assert mark["interval_steps"] is None
+
+
+def test_every_steps_and_every_seconds_together_take_whichever_comes_first(
+    tmp_path: Path,
+) -> None:
+    clock = Clock()
+    p = policy(tmp_path, clock, every_steps=10, every_seconds=5.0)
+    assert [s for s in range(1, 31) if p.due_at(s)] == [10, 20, 30]
+    clock.t += 5.0
+    assert p.due_by_clock()
+    assert marks(tmp_path)[0]["interval_steps"] == 10
+
+
+def test_checkpoints_off_are_never_due(tmp_path: Path) -> None:
+    clock = Clock()
+    p = policy(tmp_path, clock, mode="off", every_steps=1, every_seconds=1.0)
+    clock.t += 1e6
+    assert not p.due_by_clock() and not any(p.due_at(s) for s in range(1, 100))
+
+
+def test_mtbf_needs_a_failure_and_the_jobs_start() -> None:
+    assert FailureHistory().mtbf_s(1000.0) is None
+    assert FailureHistory(failures=0, job_started_at=900.0).mtbf_s(1000.0) is None
+    assert FailureHistory(failures=2, job_started_at=None).mtbf_s(1000.0) is None
+    assert FailureHistory(failures=4, job_started_at=600.0).mtbf_s(1000.0) == 100.0
+    # A failure at the very start: a small MTBF (1 ms), never zero.
+    assert FailureHistory(failures=1, job_started_at=1000.0).mtbf_s(1000.0) == 1e-3
+
+
+def test_no_cost_until_a_checkpoint_has_committed(tmp_path: Path) -> None:
+    clock = Clock()
+    p = policy(tmp_path, clock, every_steps="auto")
+    assert p.cost_s() is None
+    p.saved(0.01)  # started; its commit still runs
+    assert p.cost_s() is None
+    clock.t += 0.1
+    p.step_done(0.1, commit_running=False)  # ...and ended during that step
+    assert p.cost_s() == pytest.approx(0.01)
+
+
+def test_a_fixed_interval_stays_fixed_whatever_checkpoints_cost(tmp_path: Path) -> None:
+    clock = Clock()
+    p = policy(tmp_path, clock, every_steps=5)
+    clock.t += 0.1
+    p.step_done(0.1, commit_running=False)
+    one_checkpoint(p, clock, 0.5, [0.2, 0.2])
+    assert p.cost_s() == pytest.approx(0.5 + 0.4)  # measured all the same
+    assert p.reason == IntervalReason.FIXED and p.interval_s is None
+    assert [m["reason"] for m in marks(tmp_path)] == ["fixed"]
+
+
+def test_the_interval_moves_only_when_it_changes_by_more_than_a_tenth(tmp_path: Path) -> None:
+    """Each commit measures the cost again, and it jitters: the interval (and its mark)
+    changes only for a new one more than 10% away. Costs are medians of the blocking times
+    (no interference here): 2 s, then 2.075 s (+3.75%) and 2.15 s (+7.5%) are kept at 2 s,
+    then 3.075 s (+54%) is taken."""
+    clock = Clock()
+    p = policy(tmp_path, clock, every_steps="auto", cost_budget=0.01)
+    clock.t += 0.1
+    p.step_done(0.1, commit_running=False)
+    seen = []
+    for blocking in (0.02, 0.0215, 0.04, 0.04):
+        one_checkpoint(p, clock, blocking, [0.0])
+        seen.append(p.interval_s)
+    assert seen == pytest.approx([2.0, 2.0, 2.0, 3.075])
+    got = [(m["reason"], m["interval_s"]) for m in marks(tmp_path)]
+    assert got == [("budget", pytest.approx(2.0)), ("budget", pytest.approx(3.075))]

@@ -1,0 +1,203 @@
+"""The break table of docs/testing.md, rerun: each break is a small, deliberate bug in the core
+(one or two lines); the fast tests that cover it are run against it and the failing ones are
+listed. A break that no test catches is a hole in the suite.
+
+    python mutation/breaks.py            # every break; prints the table (markdown)
+    python mutation/breaks.py B3 B6      # some of them
+
+Each break edits the working tree in place and puts the file back afterwards (also when
+interrupted); it refuses to start when a file it edits has uncommitted changes, and fails
+loudly when its text is no longer in the code (the code moved: update the break).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow"]
+
+
+@dataclass(frozen=True)
+class Break:
+    key: str
+    what: str
+    path: str
+    edits: tuple[tuple[str, str], ...]  # (text in the code, what it becomes)
+    tests: tuple[str, ...]
+
+
+ETT_TESTS = (
+    "tests/infra",
+    "tests/tasks/test_attempts.py",
+    "tests/trainer/test_startup.py",
+)
+ATTEMPT_TESTS = ("tests/tasks/test_attempts.py",)
+CHECKPOINT_TESTS = (
+    "tests/trainer/test_checkpointer.py",
+    "tests/trainer/test_checkpoint_manifest.py",
+    "tests/trainer/checkpoint",
+)
+
+BREAKS = (
+    Break(
+        "B1",
+        "a re-done step's first execution counts as effective instead of its last",
+        "infra/ett.py",
+        (
+            (
+                "        last_exec[e.step if e.step is not None else id(e)] = e\n",
+                "        last_exec.setdefault(e.step if e.step is not None else id(e), e)\n",
+            ),
+        ),
+        ETT_TESTS,
+    ),
+    Break(
+        "B2",
+        "publish spans counted in the job's wall time",
+        "infra/ett.py",
+        (
+            (
+                "OFF_JOB_SPANS = frozenset((*PUBLISH_SPANS, Span.ASYNC_EVAL))",
+                "OFF_JOB_SPANS = frozenset((Span.ASYNC_EVAL,))",
+            ),
+        ),
+        ETT_TESTS,
+    ),
+    Break(
+        "B3",
+        "any output line resets the hang timer",
+        "tasks/attempts.py",
+        (
+            (
+                '            if text:\n                self.log.info("%s%s", self.prefix, text)\n',
+                "            if text:\n                self.last_line = time.monotonic()\n"
+                '                self.log.info("%s%s", self.prefix, text)\n',
+            ),
+            (
+                "        stepping = last is not None and last.phase == Phase.TRAINING\n",
+                "        last_change = max([last_change] + "
+                '[getattr(p, "last_line", 0.0) for p in attempt.pumps])\n'
+                "        stepping = last is not None and last.phase == Phase.TRAINING\n",
+            ),
+        ),
+        ATTEMPT_TESTS,
+    ),
+    Break(
+        "B4",
+        "the hang kill signals the launcher (agent) only, not its process tree",
+        "tasks/attempts.py",
+        (
+            (
+                "            attempt.end(timeouts.grace_s, preempt=True)\n",
+                "            [p.send_signal(signal.SIGTERM) for p in attempt.procs]\n",
+            ),
+        ),
+        ATTEMPT_TESTS,
+    ),
+    Break(
+        "B4b",
+        "ending an attempt signals each launcher only (the rank and tree sweeps stay)",
+        "tasks/attempts.py",
+        (
+            (
+                "            signalled += processes.terminate_tree"
+                "(proc.pid, grace_s, first, reap=proc.poll)\n",
+                "            proc.send_signal(first)\n",
+            ),
+        ),
+        ATTEMPT_TESTS,
+    ),
+    Break(
+        "B5",
+        "hang detection switched off",
+        "tasks/attempts.py",
+        (
+            (
+                "        if (stepping and now - last_change > timeouts.hang_s) or (\n",
+                "        if (False and stepping and now - last_change > timeouts.hang_s) or (\n",
+            ),
+        ),
+        ATTEMPT_TESTS,
+    ),
+    Break(
+        "B6",
+        "manifest written before the upload",
+        "trainer/checkpoint/checkpointer.py",
+        (
+            (
+                "            if self.remote:\n"
+                "                for name, path in files:\n"
+                "                    storage.put_file(path, storage.join(url, name))\n"
+                '            self.on_phase("uploaded", step)\n',
+                "",
+            ),
+            (
+                "                self._commit(step, url, anchor, nonce)\n",
+                "                self._commit(step, url, anchor, nonce)\n"
+                "            if self.remote:\n"
+                "                for name, path in files:\n"
+                "                    storage.put_file(path, storage.join(url, name))\n",
+            ),
+        ),
+        CHECKPOINT_TESTS,
+    ),
+)
+
+
+def apply(brk: Break) -> str:
+    """Edit the file; returns its original text."""
+    path = ROOT / brk.path
+    original = path.read_text()
+    text = original
+    for old, new in brk.edits:
+        if text.count(old) != 1:
+            raise SystemExit(f"{brk.key}: its text is not in {brk.path} once; update the break")
+        text = text.replace(old, new)
+    path.write_text(text)
+    return original
+
+
+def run(brk: Break) -> tuple[list[str], str, float]:
+    """The failing tests (node ids), pytest's summary line and the seconds it took."""
+    original = apply(brk)
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(
+            [*PYTEST, *brk.tests], cwd=ROOT, capture_output=True, text=True, check=False
+        )
+    finally:
+        (ROOT / brk.path).write_text(original)
+    failed = re.findall(r"^FAILED (\S+)", proc.stdout, flags=re.M)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-300:]
+    return failed, summary, time.monotonic() - started
+
+
+def main(argv: list[str]) -> int:
+    chosen = [b for b in BREAKS if not argv or b.key in argv]
+    paths = sorted({b.path for b in chosen})
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", *paths], cwd=ROOT, capture_output=True, text=True
+    ).stdout
+    if dirty.strip():
+        print(f"uncommitted changes in files a break edits:\n{dirty}", file=sys.stderr)
+        return 2
+    print("| break | file | fast tests run | failing tests |\n|---|---|---|---|")
+    holes = 0
+    for brk in chosen:
+        failed, summary, seconds = run(brk)
+        holes += not failed
+        names = "<br>".join(f"`{f.split('/')[-1]}`" for f in failed) or "**none: a hole**"
+        tests = ", ".join(f"`{t}`" for t in brk.tests)
+        print(f"| {brk.key}: {brk.what} | `{brk.path}` | {tests} | {names} |", flush=True)
+        print(f"<!-- {brk.key}: {summary} ({seconds:.0f} s) -->", flush=True)
+    return 1 if holes else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
