@@ -39,8 +39,8 @@ ETT_TESTS = (
 )
 ATTEMPT_TESTS = ("tests/tasks/test_attempts.py",)
 CHECKPOINT_TESTS = (
-    "tests/trainer/test_checkpointer.py",
-    "tests/trainer/test_checkpoint_manifest.py",
+    "tests/trainer/checkpoint/test_checkpointer.py",
+    "tests/trainer/checkpoint/test_manifest.py",
     "tests/trainer/checkpoint",
 )
 
