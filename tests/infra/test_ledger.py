@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from infra import storage
 from infra.ledger import (
     Ledger,
     ledger_url,
+    next_attempt,
     parse_lines,
     read_events,
     read_files,
@@ -90,6 +92,44 @@ def test_lines_are_the_documented_json_records(tmp_path) -> None:
         "rank": 3,
         "attrs": {"cause": "sigkill"},
     }
+
+
+def test_attrs_of_every_plain_type_round_trip(tmp_path) -> None:
+    url = str(tmp_path / "job")
+    attrs = {"yes": True, "no": False, "none": None, "n": 7, "x": -0.25, "nan": float("nan")}
+    with Ledger(url, clock=_ticking()) as led:
+        led.mark("checkpoint_failed", step=3, **attrs, tags=["a", 1], more={"k": 2})
+    [mark] = read_events(url)
+    got = dict(mark.attrs)
+    assert math.isnan(got.pop("nan"))  # a loss gone NaN is recorded, not dropped
+    assert got == {
+        "yes": True,
+        "no": False,
+        "none": None,
+        "n": 7,
+        "x": -0.25,
+        "tags": ["a", 1],
+        "more": {"k": 2},
+    }
+    assert type(got["n"]) is int and type(got["yes"]) is bool
+
+
+def test_next_attempt_counts_every_writer_or_one_role_and_rank(tmp_path) -> None:
+    url = str(tmp_path / "job")
+    assert next_attempt(url) == 0  # a new job
+    for attempt, rank, role in [
+        (0, 0, "trainer"),
+        (0, 1, "trainer"),
+        (1, 0, "orchestrator"),
+        (2, 1, "trainer"),
+        (4, 0, "publish"),
+    ]:
+        Ledger(url, attempt=attempt, rank=rank, role=role, clock=_ticking()).close()
+    assert next_attempt(url) == 5
+    assert next_attempt(url, role="trainer") == 3
+    assert next_attempt(url, role="trainer", rank=0) == 1
+    assert next_attempt(url, role="orchestrator") == 2
+    assert next_attempt(url, role="evaluator") == 0
 
 
 def test_unknown_names_are_rejected(tmp_path) -> None:

@@ -21,6 +21,8 @@ from infra.ledger import Mark, Span, next_attempt, read_events
 from infra.settings import dump_config
 from tasks.attempts import (
     AttemptProcess,
+    AttemptReport,
+    JobOutcome,
     JobRunner,
     LaunchSpec,
     RetryPolicy,
@@ -79,6 +81,62 @@ def test_retry_policy_backs_off_only_a_repeating_failure() -> None:
     assert [p.delay_s(Outcome.CRASH, n) for n in (1, 2, 3, 4)] == [2.0, 4.0, 8.0, 10.0]
     assert p.delay_s(Outcome.PREEMPTED, 3) == 0.0
     assert RetryPolicy(backoff_s=0).delay_s(Outcome.SIGKILL, 2) == 0.0
+
+
+def test_launch_commands_for_one_node_and_for_several() -> None:
+    """One node: a standalone agent. Several: one agent per node, joined by c10d rendezvous
+    on loopback, each with its node rank; restarts are the orchestrator's, never torchrun's."""
+    spec = LaunchSpec("job.yaml", nproc=2)
+    [one] = spec.commands(29400, "run-1")
+    assert one == [
+        sys.executable,
+        "-m",
+        "trainer.launch",
+        "--nproc-per-node=2",
+        "--max-restarts=0",
+        "--standalone",
+        "-m",
+        "trainer",
+        "--config",
+        "job.yaml",
+    ]
+    nodes = LaunchSpec("job.yaml", nproc=1, nnodes=2).commands(29400, "run-1")
+    ranks = [[a for a in c if a.startswith("--node-rank=")] for c in nodes]
+    assert ranks == [["--node-rank=0"], ["--node-rank=1"]]
+    for command in nodes:
+        assert "--standalone" not in command and "--nnodes=2" in command
+        assert "--rdzv-backend=c10d" in command and "--rdzv-id=run-1" in command
+        assert "--rdzv-endpoint=127.0.0.1:29400" in command
+        assert command[-4:] == ["-m", "trainer", "--config", "job.yaml"]
+    for bad in ({"nproc": 0}, {"nnodes": 0}):
+        with pytest.raises(ValueError, match="need nproc >= 1 and nnodes >= 1"):
+            LaunchSpec("job.yaml", **bad)
+
+
+def test_reports_say_what_became_of_an_attempt() -> None:
+    def report(outcome: Outcome, code: int, step: int | None) -> AttemptReport:
+        return AttemptReport(0, outcome, code, started=0.0, ended=1.0, last_step=step)
+
+    crash = report(Outcome.CRASH, 1, 7)
+    assert crash.describe() == "attempt 0: crash at step 7 (CRASH (1))"
+    assert report(Outcome.HANG, -9, None).describe() == (
+        "attempt 0: hang before step 1 (killed by SIGKILL)"
+    )
+    assert crash.failed and not crash.fatal
+    assert report(Outcome.BAD_CONFIG, 2, None).fatal
+    preempted = report(Outcome.PREEMPTED, ExitCode.PREEMPTED, 3)
+    done = report(Outcome.SUCCESS, 0, 9)
+    assert not done.failed
+    job = JobOutcome(True, "ok", (crash, preempted, preempted, done))
+    assert (job.failures, job.preemptions) == (1, 2)
+    as_dict = job.to_dict()
+    assert as_dict["succeeded"] and as_dict["message"] == "ok"
+    assert [a["outcome"] for a in as_dict["attempts"]] == [
+        "crash",
+        "preempted",
+        "preempted",
+        "success",
+    ]
 
 
 # -- the loop with a (fake) trainer ------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from infra import stack, storage
+from infra import servers, storage
 from infra.ledger import Ledger
 from infra.settings import JobConfig, load_config
 from trainer.checkpoint.checkpointer import Checkpointer
@@ -32,7 +32,7 @@ from trainer.checkpoint.restore import Restored, restore
 @pytest.fixture(scope="module")
 def group() -> Iterator[dist.ProcessGroup]:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(stack.free_port())
+    os.environ["MASTER_PORT"] = str(servers.free_port())
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         yield dist.new_group(backend="gloo")
