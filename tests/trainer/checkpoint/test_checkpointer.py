@@ -25,7 +25,7 @@ from torch.distributed._shard.sharded_tensor import (
     init_from_local_shards,
 )
 
-from infra import servers, storage
+from infra import storage
 from infra.ledger import Ledger, read_events
 from infra.settings import JobConfig, load_config
 from tests.reliability.cutting_proxy import RequestCutter
@@ -39,17 +39,6 @@ from trainer.checkpoint.manifest import (
 )
 
 ROWS, DIM = 64, 8
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[dist.ProcessGroup]:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(servers.free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield dist.new_group(backend="gloo")
-    finally:
-        dist.destroy_process_group()
 
 
 def _sharded(tensor: torch.Tensor, pg: dist.ProcessGroup) -> ShardedTensor:

@@ -6,15 +6,13 @@ corrupt one (quarantined once a good one loaded), or an error naming it; incompa
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from infra import servers, storage
+from infra import storage
 from infra.ledger import Ledger
 from infra.settings import JobConfig, load_config
 from trainer.checkpoint.checkpointer import Checkpointer
@@ -27,17 +25,6 @@ from trainer.checkpoint.manifest import (
     step_dir_name,
 )
 from trainer.checkpoint.restore import Restored, restore
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[dist.ProcessGroup]:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(servers.free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield dist.new_group(backend="gloo")
-    finally:
-        dist.destroy_process_group()
 
 
 def _config(root: str, job_id: str = "restore", **sections: Any) -> JobConfig:

@@ -9,8 +9,6 @@ on the compute stream right after ``begin``, while the host copies are still in 
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,21 +22,9 @@ from torch.distributed._shard.sharded_tensor import (
 )
 from torch.distributed.checkpoint.staging import StagingOptions
 
-from infra import servers
 from trainer.checkpoint.staging import ShardedStateStager, SideStreamCopy
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[dist.ProcessGroup]:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(servers.free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield dist.new_group(backend="gloo")
-    finally:
-        dist.destroy_process_group()
 
 
 def _state(pg: dist.ProcessGroup, device: str = "cpu", rows: int = 64) -> dict[str, Any]:
