@@ -20,7 +20,8 @@ ETT% = effective/W, Failure% = (wasted + recovery)/W, Idleness% = 100 - ETT% - F
 Warm standby: a standby attempt initialises and parks while another attempt trains. Its
 time before promotion is not the job's: an attempt with a ``standby_ready`` mark counts
 from its ``promoted`` mark on (its earlier events are dropped, and reported as pre-warm),
-and one never promoted is dropped whole. Its Time to Recover runs, as for any failure,
+and one never promoted is dropped whole, even one ended before it parked (its
+``attempt_start`` mark says ``standby``). Its Time to Recover runs, as for any failure,
 from the failed attempt's last event to the promoted attempt's first step.
 
 In-process restart: an ``in_process_restart`` mark is a failure inside a living attempt.
@@ -392,7 +393,10 @@ def _drop_standby_prewarm(events: list[Event]) -> tuple[list[Event], list[Standb
     """A standby's events before its promotion are not the job's; a never-promoted standby's
     are none of the job's (see the module docstring). Promotion times are absolute here."""
     ready = {e.attempt: e.start for e in events if e.name == Mark.STANDBY_READY and e.rank == 0}
-    if not ready:
+    standby = set(ready) | {
+        e.attempt for e in events if e.name == Mark.ATTEMPT_START and e.attrs.get("standby")
+    }
+    if not standby:
         return events, []
     promoted = {e.attempt: e.start for e in events if e.name == Mark.PROMOTED and e.rank == 0}
     firsts: dict[int, float] = {}
@@ -402,7 +406,7 @@ def _drop_standby_prewarm(events: list[Event]) -> tuple[list[Event], list[Standb
     kept = [
         e
         for e in events
-        if e.attempt not in ready or (e.attempt in promoted and e.end > promoted[e.attempt])
+        if e.attempt not in standby or (e.attempt in promoted and e.end > promoted[e.attempt])
     ]
     records = [
         StandbyRecord(a, ready[a] - firsts[a], promoted[a] - ready[a], promoted[a])

@@ -50,7 +50,7 @@ def main(control: RankControl | None) -> int:
     every = every if isinstance(every, int) else 10
     faults = {f["step"]: f["kind"] for f in cfg.get("faults") or [] if f["attempt"] == attempt}
     ledger = Ledger(job_url, attempt=attempt, rank=0, sync_every_s=0.0)
-    ledger.mark(Mark.ATTEMPT_START, pid=os.getpid())
+    ledger.mark(Mark.ATTEMPT_START, pid=os.getpid(), standby=bool(control and control.standby))
     if control is not None:
         control.report(Phase.INIT)
     print(f"fake trainer: attempt {attempt} of {cfg['job_id']} starting", flush=True)

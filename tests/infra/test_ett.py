@@ -482,6 +482,7 @@ def test_a_promoted_standby_counts_from_its_promotion(tmp_path) -> None:
     a1, the standby: starts @3 (beside a0), device_init [3,5], parked @5, promoted @8,
     restores [8,9], steps 3-5 [9,12], shutdown [12,13], job_end @13.
     a2, a standby never promoted: starts @10, parked @11: none of the job's time.
+    a3, a standby ended before it parked (the job ended first): starts @12: none either.
 
     W = 13: startup [0,2], effective 1-2 + 3-5 = 5, wasted a0's 3-4 = 2, recovery [6,9] = 3
     (a1's restore inside it), shutdown 1. a1's pre-warm: 2 s, parked 3 s, promoted at 8."""
@@ -505,6 +506,9 @@ def test_a_promoted_standby_counts_from_its_promotion(tmp_path) -> None:
         tr.mark("attempt_start", t=T0 + 10, standby=True)
         tr.record_span("device_init", T0 + 10, T0 + 11)
         tr.mark("standby_ready", t=T0 + 11)
+    with Ledger(url, attempt=3, clock=clock) as tr:
+        tr.mark("attempt_start", t=T0 + 12, standby=True)
+        tr.record_span("device_init", T0 + 12, T0 + 12.5)
     r = report_for_job(url)
     assert r.wall_s == 13 and r.start_time == T0
     assert r.buckets == {
