@@ -121,13 +121,21 @@ def mlflow_server(
 def prefect_server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
-    """The API URL of a real Prefect server; PREFECT_API_URL points at it meanwhile."""
+    """The API URL of a real Prefect server; PREFECT_API_URL points at it meanwhile.
+
+    The settings are also made process-global, as prefect_test_harness does: Prefect's
+    background services (the API log worker, the events worker) run in threads that do not
+    inherit this context, and without it they would start an ephemeral server of their own."""
+    import prefect.context
+    from prefect.logging.handlers import APILogWorker
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     api_url = _servers(request, tmp_path_factory).ready("prefect").url + "/api"
     with (
         pytest.MonkeyPatch.context() as mp,
         temporary_settings(updates={PREFECT_API_URL: api_url}),
+        prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()),
     ):
         mp.setenv("PREFECT_API_URL", api_url)
         yield api_url
+        APILogWorker.drain_all(timeout=10)  # before the server stops

@@ -1,4 +1,4 @@
-"""The ``train`` flow on Prefect's test harness (a temporary API), with the fake trainer:
+"""The ``train`` flow on the session's real Prefect server, with the fake trainer:
 attempts as tasks, the anchor event (captured), the artifacts, MLflow and the failure path.
 
 Only the launcher is swapped (the fake trainer instead of torchrun + trainer); the launcher,
@@ -17,7 +17,6 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.events.clients import AssertingEventsClient
 from prefect.events.worker import EventsWorker
-from prefect.testing.utilities import prefect_test_harness
 
 import flows.train_flow as train_module
 from flows.report_flow import ett_report_flow
@@ -28,13 +27,7 @@ from tasks.report import artifact_key
 from tests.factories import tiny_config
 
 FAKE = str(Path(__file__).resolve().parents[1] / "fake_trainer.py")
-pytestmark = pytest.mark.slow  # the test harness alone takes ~10-70 s to start here
-
-
-@pytest.fixture(scope="module")
-def harness() -> Iterator[None]:
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
@@ -68,7 +61,7 @@ def _artifact(key: str):
 
 
 def test_train_flow_recovers_emits_anchor_and_reports(
-    tmp_path: Path, harness: None, events: EventsWorker, fake_trainer: None
+    tmp_path: Path, prefect_server: str, events: EventsWorker, fake_trainer: None
 ) -> None:
     config = tiny_config(tmp_path, job_id="flow-ok", train={"steps": 20, "log_every": 2})
     path = tmp_path / "job.yaml"
@@ -107,7 +100,7 @@ def test_train_flow_recovers_emits_anchor_and_reports(
 
 
 def test_train_flow_fails_clearly_and_still_reports(
-    tmp_path: Path, harness: None, events: EventsWorker, fake_trainer: None
+    tmp_path: Path, prefect_server: str, events: EventsWorker, fake_trainer: None
 ) -> None:
     config = tiny_config(tmp_path, job_id="flow-bad", train={"steps": 20, "log_every": 2})
     path = tmp_path / "job.yaml"
