@@ -104,9 +104,9 @@ def wait_for_triggered_publish(deployment_id: Any, job_id: str, timeout_s: float
 
 def _published_version(tracking_uri: str, model: str, job_id: str) -> dict[str, Any] | None:
     """The registered version made from ``job_id``'s anchor (what the triggered run did)."""
-    from mlflow import MlflowClient
+    from infra.mlflow_client import client as mlflow_client
 
-    client = MlflowClient(tracking_uri=tracking_uri)
+    client = mlflow_client(tracking_uri)
     found = client.search_model_versions(f"name = '{model}' AND tags.job_id = '{job_id}'")
     if not found:
         return None

@@ -69,10 +69,11 @@ def latest_window(data_root: str) -> Window | None:
 )
 def champion_anchor(tracking_uri: str, registered_model: str) -> str | None:
     """The anchor checkpoint URI of the model's champion version, None if there is none."""
-    from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    client = MlflowClient(tracking_uri=tracking_uri)
+    from infra.mlflow_client import client as mlflow_client
+
+    client = mlflow_client(tracking_uri)
     try:
         version = client.get_model_version_by_alias(registered_model, CHAMPION_ALIAS)
     except MlflowException as exc:

@@ -22,6 +22,7 @@ from typing import Any
 from mlflow import MlflowClient
 
 from infra.ett_metrics import METRIC_PREFIX
+from infra.mlflow_client import client as mlflow_client
 from infra.run_metadata import redact_url
 from infra.tracking import JOB_ID_TAG, KIND_TAG
 
@@ -242,7 +243,7 @@ def fleet_summary(
 ) -> FleetSummary:
     """Summarise every job run of ``experiment``. An experiment that does not exist (yet)
     gives an empty summary, not an error."""
-    client = MlflowClient(tracking_uri=tracking_uri)
+    client = mlflow_client(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     runs = _job_runs(client, exp.experiment_id) if exp is not None else []
     reported = [r for r in runs if f"{METRIC_PREFIX}ett_pct" in r.data.metrics]

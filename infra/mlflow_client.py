@@ -1,7 +1,7 @@
 """A bounded MLflow client, and the experiment a job logs to.
 
-Every call builds its own ``MlflowClient(tracking_uri=...)`` (nothing global), and every HTTP
-call is bounded (``bound_http_calls``): a dead tracking server costs a job seconds, not
+Every call builds its own client for one tracking URI and its registry (nothing global), and
+every HTTP call is bounded (``bound_http_calls``): a dead tracking server costs a job seconds, not
 MLflow's default of minutes of retries.
 """
 
@@ -36,9 +36,13 @@ def bound_http_calls() -> None:
 
 
 def client(tracking_uri: str) -> MlflowClient:
-    """A client for ``tracking_uri`` whose calls are bounded."""
+    """A client for ``tracking_uri``, whose model registry it also uses, with bounded calls.
+
+    The registry is named explicitly: otherwise MlflowClient takes the process-global one,
+    which publishing sets (``mlflow.set_registry_uri``), so a later client in the same
+    process would read another server's registry."""
     bound_http_calls()
-    return MlflowClient(tracking_uri=tracking_uri)
+    return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
 
 
 def ensure_experiment(ml: MlflowClient, name: str, tracking_uri: str) -> str:

@@ -43,7 +43,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils import mlflow_tags
 
 from infra import tracking
-from infra.mlflow_client import bound_http_calls, ensure_experiment
+from infra.mlflow_client import client, ensure_experiment
 from infra.run_metadata import source_tags
 from infra.settings import JobConfig
 from publish import serving
@@ -168,11 +168,10 @@ def stage_code(into: str) -> list[str]:
 
 def connect(tracking_uri: str) -> MlflowClient:
     """Point this process's MLflow (fluent API and pyfunc loading) at ``tracking_uri``, with
-    every HTTP call bounded (infra.mlflow_client.bound_http_calls)."""
+    every HTTP call bounded (infra.mlflow_client.client)."""
     mlflow.set_tracking_uri(tracking_uri)
     mlflow.set_registry_uri(tracking_uri)
-    bound_http_calls()
-    return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    return client(tracking_uri)
 
 
 def check_training_run(client: MlflowClient, run_id: str | None) -> str | None:

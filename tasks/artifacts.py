@@ -74,9 +74,9 @@ def mlflow_run_link(tracking_uri: str, run_id: str, job_id: str) -> str | None:
     if mlflow_ui(tracking_uri) is None:
         logger().info("MLflow at %s has no web UI to link to", redact_url(tracking_uri))
         return None
-    from mlflow import MlflowClient
+    from infra.mlflow_client import client as mlflow_client
 
-    experiment_id = MlflowClient(tracking_uri=tracking_uri).get_run(run_id).info.experiment_id
+    experiment_id = mlflow_client(tracking_uri).get_run(run_id).info.experiment_id
     url = mlflow_run_url(tracking_uri, experiment_id, run_id)
     assert url is not None
     create_link_artifact(

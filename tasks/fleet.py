@@ -29,7 +29,7 @@ def _log_to_mlflow(summary: fleet.FleetSummary, tracking_uri: str) -> tuple[str,
     """The fleet view (plots, markdown, text, JSON, fleet totals) in the experiment's fleet
     run (infra.tracking.log_fleet_report); returns (experiment id, run id), None when the
     experiment has no reported job yet. The files only pass through a temporary folder."""
-    from mlflow import MlflowClient
+    from infra.mlflow_client import client as mlflow_client
 
     if not summary.jobs:
         return None
@@ -39,7 +39,7 @@ def _log_to_mlflow(summary: fleet.FleetSummary, tracking_uri: str) -> tuple[str,
     with tempfile.TemporaryDirectory(prefix="ett-fleet-") as tmp:
         files = fleet_report.write_files(summary, tmp)
         run_id = log_fleet_report(tracking_uri, summary.experiment, files, metrics)
-    experiment_id = MlflowClient(tracking_uri=tracking_uri).get_run(run_id).info.experiment_id
+    experiment_id = mlflow_client(tracking_uri).get_run(run_id).info.experiment_id
     return experiment_id, run_id
 
 

@@ -74,10 +74,15 @@ def test_a_window_trained_already_is_not_trained_again(tmp_path: Path, prefect_s
 
 
 @pytest.mark.slow  # MLflow creates its SQLite schema: ~10-30 s here
-def test_champion_anchor(tmp_path: Path) -> None:
+def test_champion_anchor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The champion comes from the tracking URI's own registry, even when this process's
+    global MLflow registry points elsewhere (publishing in process sets it)."""
+    from mlflow.tracking._model_registry import utils as registry_utils
+
+    monkeypatch.setattr(registry_utils, "_registry_uri", f"sqlite:///{tmp_path}/other.db")
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     assert champion_anchor.fn(uri, "ranker") is None  # no registered model: cold start
-    client = MlflowClient(uri)
+    client = MlflowClient(uri, registry_uri=uri)  # not the process's (publishing sets it)
     client.create_registered_model("ranker")
     v1 = client.create_model_version(
         "ranker", source="file:///m1", tags={"anchor_uri": "s3://b/jobs/a/checkpoints/step-1"}
