@@ -13,11 +13,12 @@ general branch without a guard: one training graph and one eval graph serve ever
 Jagged lengths never reach the interaction (the lookups pool them), so they cannot recompile it.
 
 Warm-up: a structurally identical copy of the interaction, built from the config (no model,
-no process group needed), is compiled and run forward+backward (train mode) and forward under
-no_grad (eval mode) on a synthetic *fast batch* with the real shapes and dtypes. Dynamo keys
-its cache on the code object and treats parameters as inputs, so the real module's first calls
-reuse the copy's compiled graphs (verified: no further compile). Warming a copy never touches
-the DDP-managed parameters, and uses a private RNG, so concurrent init stays deterministic.
+no process group needed), is compiled and run forward+backward (train mode) and, when the
+trainer evaluates inline, forward under no_grad (eval mode) on a synthetic *fast batch* with
+the real shapes and dtypes. Dynamo keys its cache on the code object and treats parameters
+as inputs, so the real module's first calls reuse the copy's compiled graphs (verified: no
+further compile). Warming a copy never touches the DDP-managed parameters, and uses a private
+RNG, so concurrent init stays deterministic.
 
 Settings: since torch 2.13 ``torch.compiler.config`` values are per thread (ContextVars), so
 ``configure`` runs in every thread that compiles (the warm-up) or runs the step (the loop).
@@ -149,8 +150,12 @@ def uncompile(module: nn.Module) -> None:
     module._compiled_call_impl = None  # back to eager (compile failed)
 
 
-def warm_up(config: JobConfig, device: torch.device, copy: nn.Module | None = None) -> dict:
-    """Compile the training graph (forward + backward) and the eval graph on a copy.
+def warm_up(
+    config: JobConfig, device: torch.device, copy: nn.Module | None = None, eval_graph: bool = True
+) -> dict:
+    """Compile the training graph (forward + backward) and, with ``eval_graph``, the eval
+    graph on a copy. A trainer that never evaluates (eval async or off: the side evaluator
+    has its own model) leaves the eval graph out of its start.
 
     Returns timings and compile-cache hit/miss counts; raises what the compiler raises (the
     caller falls back to eager).
@@ -168,12 +173,13 @@ def warm_up(config: JobConfig, device: torch.device, copy: nn.Module | None = No
         loss = nn.functional.binary_cross_entropy_with_logits(logits, b.labels)
         loss.backward()  # AOTAutograd compiles the backward lazily: force it now
     timings["train_graph_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    copy.eval()
-    with torch.no_grad():
-        b = fast_batch(config, config.data.eval_batch_size, device, train=False, seed=1)
-        copy(b.dense, b.sparse)
-    timings["eval_graph_s"] = time.perf_counter() - t0
+    if eval_graph:
+        t0 = time.perf_counter()
+        copy.eval()
+        with torch.no_grad():
+            b = fast_batch(config, config.data.eval_batch_size, device, train=False, seed=1)
+            copy(b.dense, b.sparse)
+        timings["eval_graph_s"] = time.perf_counter() - t0
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     after = _cache_counts(counters)

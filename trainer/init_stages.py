@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from infra.control import Command, Phase, RankControl
 from infra.ledger import Ledger, Mark, Span
-from infra.settings import JobConfig
+from infra.settings import EvalMode, JobConfig
 from trainer import compile_cache, compiled
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.data.balance import make_balancer
@@ -289,7 +289,12 @@ class Initializer:
                     span["vec_isa_reused"] = known is not None
                     if state.cache is not None:
                         state.cache.vec_isa_ok = state.vec_isa_ok
-                state.warmup = compiled.warm_up(self.config, self.device, self._warm_copy)
+                state.warmup = compiled.warm_up(
+                    self.config,
+                    self.device,
+                    self._warm_copy,
+                    eval_graph=self.config.train.eval == EvalMode.INLINE,
+                )
                 span.update(state.warmup)
             except Exception as exc:  # the job trains eagerly rather than not at all
                 state.error = f"{type(exc).__name__}: {exc}"
