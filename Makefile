@@ -11,6 +11,7 @@ FBGEMM ?= fbgemm-gpu-cpu==1.8.0
 TORCH_INDEX ?=
 PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check
 STAMP  := $(VENV)/.installed
+TEST_WORKERS ?= 2
 
 .PHONY: install demo test lint bench bench-ett gpu-check mutate breaks stack stack-down clean
 
@@ -30,7 +31,7 @@ demo: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 -n $(TEST_WORKERS) --dist loadfile
 
 lint: install
 	$(BIN)/ruff check .

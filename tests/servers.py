@@ -24,6 +24,7 @@ parallel.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +34,9 @@ from infra import servers
 
 STARTUP_TIMEOUT_S = 240.0  # generous: 2 shared cores
 _NEEDS = {"s3_server": ("s3",), "mlflow_server": ("s3", "mlflow"), "prefect_server": ("prefect",)}
+# The heavy servers: under pytest-xdist, a worker boots them only once one of its tests needs
+# one; S3 (moto) is light and starts wherever a test needs it.
+STACK_FIXTURES = ("mlflow_server", "prefect_server")
 
 
 class _Servers:
@@ -62,26 +66,40 @@ class _Servers:
 _SERVERS = pytest.StashKey[_Servers]()
 
 
-def _servers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> _Servers:
-    """The session's servers; the first call launches every server a selected test needs.
+def _servers(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, fixture: str
+) -> _Servers:
+    """The session's servers; launches, all at once, every server that the tests which will
+    run in this process need, so that they boot in parallel (see ``_wanted``).
 
     (A session stash rather than a fixture, so conftest imports only the public fixtures.)
     The first fixture set up is torn down last, so its finalizer stops them all."""
     stash = request.session.stash
     if _SERVERS not in stash:
-        session = stash[_SERVERS] = _Servers(tmp_path_factory.mktemp("servers"))
-        request.addfinalizer(session.stop_all)
-        wanted = {
-            name
-            for item in request.session.items
-            for fixture, names in _NEEDS.items()
-            if fixture in getattr(item, "fixturenames", ())
-            for name in names
-        }
-        for name in servers.SERVICES:  # s3 first: mlflow's artifact store
-            if name in wanted:
-                session.launch(name)
+        stash[_SERVERS] = _Servers(tmp_path_factory.mktemp("servers"))
+        request.addfinalizer(stash[_SERVERS].stop_all)
+    wanted = _wanted(request.session.items, fixture)
+    for name in servers.SERVICES:  # s3 first: mlflow's artifact store
+        if name in wanted:
+            stash[_SERVERS].launch(name)
     return stash[_SERVERS]
+
+
+def _needs(item: pytest.Item) -> set[str]:
+    names = getattr(item, "fixturenames", ())
+    return {server for fixture, need in _NEEDS.items() if fixture in names for server in need}
+
+
+def _wanted(items: list[pytest.Item], fixture: str) -> set[str]:
+    """Every server the selected tests need. Under pytest-xdist each worker is a session of
+    its own and runs only some modules: ``fixture``'s needs, and when it is a stack server
+    those of every test that uses one (the worker will likely run more of them)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return {server for item in items for server in _needs(item)}
+    if fixture not in STACK_FIXTURES:
+        return set(_NEEDS[fixture])
+    stack = [item for item in items if _needs(item) & {"mlflow", "prefect"}]
+    return {server for item in stack for server in _needs(item)}
 
 
 def _clear_s3fs_cache() -> None:
@@ -97,7 +115,7 @@ def s3_server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     """The endpoint URL of a moto S3 server holding the bucket ``ett``."""
-    url = _servers(request, tmp_path_factory).ready("s3").url
+    url = _servers(request, tmp_path_factory, "s3_server").ready("s3").url
     env = servers.LOCAL_AWS_ENV | {"AWS_ENDPOINT_URL_S3": url, "MLFLOW_S3_ENDPOINT_URL": url}
     with pytest.MonkeyPatch.context() as mp:
         for key, value in env.items():
@@ -114,7 +132,7 @@ def mlflow_server(
     s3_server: str, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> str:
     """The tracking URI of an MLflow server (SQLite backend, artifacts in s3://ett)."""
-    return _servers(request, tmp_path_factory).ready("mlflow").url
+    return _servers(request, tmp_path_factory, "mlflow_server").ready("mlflow").url
 
 
 @pytest.fixture(scope="session")
@@ -130,7 +148,7 @@ def prefect_server(
     from prefect.logging.handlers import APILogWorker
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    api_url = _servers(request, tmp_path_factory).ready("prefect").url + "/api"
+    api_url = _servers(request, tmp_path_factory, "prefect_server").ready("prefect").url + "/api"
     with (
         pytest.MonkeyPatch.context() as mp,
         temporary_settings(updates={PREFECT_API_URL: api_url}),

@@ -165,15 +165,17 @@ def _run(tmp_path: Path, faults: list[dict], policy: RetryPolicy, standby: bool 
     return config, outcome, sleeps
 
 
-def _fake_pids() -> list[int]:
-    """Live fake trainers (and their children) of this test session."""
+def _fake_pids(tmp_path: Path) -> list[int]:
+    """Live fake trainers of this test (their command line names its config, under
+    ``tmp_path``): tests on another pytest-xdist worker run fake trainers of their own."""
     out = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             cmd = (proc / "cmdline").read_bytes()
         except OSError:
             continue
-        if FAKE.encode() in cmd and processes.pid_alive(int(proc.name)):
+        mine = FAKE.encode() in cmd and str(tmp_path).encode() in cmd
+        if mine and processes.pid_alive(int(proc.name)):
             out.append(int(proc.name))
     return out
 
@@ -216,7 +218,7 @@ def test_standby_is_promoted_after_a_sigkill_and_a_preemption(tmp_path: Path) ->
     # A standby's pre-warm ran beside attempt 0: none of it is startup of the job.
     assert report.time_to_start_s is not None
     assert report.buckets["startup"] <= report.time_to_start_s + 1e-9
-    assert _fake_pids() == []
+    assert _fake_pids(tmp_path) == []
 
 
 def test_same_failure_repeating_backs_off(tmp_path: Path) -> None:
@@ -228,7 +230,7 @@ def test_same_failure_repeating_backs_off(tmp_path: Path) -> None:
     assert sleeps == [1.0]  # the first crash relaunches at once, the repeat waits
     report = report_for_job(config.job_url)  # the failed job still has a report
     assert report.num_failures == 3 and not report.finished
-    assert _fake_pids() == []
+    assert _fake_pids(tmp_path) == []
 
 
 # A hang nobody detects ends the fake's hang as a crash after this long (20x hang_s below),
@@ -253,7 +255,7 @@ def test_hang_with_chatty_output_is_killed_with_its_whole_tree(tmp_path: Path) -
     assert [a.outcome for a in outcome.attempts] == [Outcome.HANG, Outcome.SUCCESS]
     mark = next(e for e in read_events(config.job_url) if e.name == Mark.FAILURE)
     assert mark.attrs["cause"] == "hang" and mark.step == 4
-    assert _fake_pids() == []
+    assert _fake_pids(tmp_path) == []
     children = [int(p.read_text()) for p in tmp_path.glob("child.*")]
     assert len(children) == 2  # one per attempt: the hung one's and the successful one's
     alive = [pid for pid in children if processes.pid_alive(pid)]
@@ -301,7 +303,7 @@ def test_an_endless_preemption_loop_stops_at_max_preemptions(tmp_path: Path) -> 
     assert [a.outcome for a in outcome.attempts] == [Outcome.PREEMPTED] * 3
     assert outcome.message == "preempted 3 times, more than max_preemptions=2"
     assert outcome.failures == 0 and sleeps == []
-    assert _fake_pids() == []
+    assert _fake_pids(tmp_path) == []
 
 
 def test_bad_config_is_not_retried(tmp_path: Path) -> None:
@@ -320,7 +322,7 @@ def test_unpromoted_standby_is_released_and_not_accounted(tmp_path: Path) -> Non
     assert not any(e.name == Mark.PROMOTED for e in events)
     report = report_for_job(config.job_url)
     assert [a.attempt for a in report.attempts] == [0] and report.standbys == ()
-    assert _fake_pids() == []
+    assert _fake_pids(tmp_path) == []
 
 
 class _Cancelled(BaseException):
@@ -346,7 +348,7 @@ def test_cancelled_job_preempts_its_attempt_and_ends_the_standby(tmp_path: Path)
     events = read_events(config.job_url)
     # SIGTERM -> the attempt checkpointed at its step boundary and exited as preempted.
     assert any(e.name == Mark.CHECKPOINT_COMMITTED and e.attempt == 0 for e in events)
-    assert _fake_pids() == []
+    assert _fake_pids(tmp_path) == []
 
 
 def test_orchestrator_death_stops_its_trainers(tmp_path: Path) -> None:
@@ -365,13 +367,13 @@ def test_orchestrator_death_stops_its_trainers(tmp_path: Path) -> None:
         e.name == Mark.STANDBY_READY for e in read_events(config.job_url)
     ):
         time.sleep(0.1)
-    assert _fake_pids(), "the job never started"
+    assert _fake_pids(tmp_path), "the job never started"
     orchestrator.send_signal(signal.SIGKILL)
     orchestrator.wait()
     deadline = time.monotonic() + 30
-    while _fake_pids() and time.monotonic() < deadline:
+    while _fake_pids(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _fake_pids() == []
+    assert _fake_pids(tmp_path) == []
     events = read_events(config.job_url)
     assert any(e.name == Mark.CHECKPOINT_COMMITTED and e.attempt == 0 for e in events)
 
