@@ -219,6 +219,8 @@ def _train(
             t0 = time.perf_counter()
             if checkpointer.wait_until_staged():
                 policy.staged(time.perf_counter() - t0)
+            # A commit that ends during this step still slowed it: ask before, and after.
+            committing = checkpointer.commit_running
             step += 1
             try:
                 faults.at_step(step)
@@ -237,7 +239,8 @@ def _train(
                 last_saved = finished = step
                 continue
             finished = step
-            policy.step_done(time.perf_counter() - t0, checkpointer.commit_running)
+            committing = committing or checkpointer.commit_running
+            policy.step_done(time.perf_counter() - t0, committing)
             stats.add(loss, len(batch))
             if report is not None:
                 report(Phase.TRAINING, step, config.train.steps)

@@ -120,7 +120,8 @@ class IntervalPolicy:
             self._last_save = self.clock()
 
     def step_done(self, duration_s: float, commit_running: bool) -> None:
-        """One training step took ``duration_s``; was a checkpoint committing meanwhile?"""
+        """One training step took ``duration_s``; was a checkpoint committing during any
+        part of it (at its start or at its end)?"""
         if not commit_running:
             self._quiet_steps.append(duration_s)
             if self._open is not None:  # the commit ended during the previous step
