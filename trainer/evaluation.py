@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchmetrics.functional.classification import binary_auroc
 
 from trainer.data.batch import Batch
 from trainer.distributed import has_cpu_backend
@@ -19,6 +18,11 @@ from trainer.model import batch_to_kjts
 
 
 def auc_and_logloss(probs: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    # Imported here: every trainer imports this module before its first step, and only
+    # inline eval, the side evaluator and publishing compute an AUC (torchmetrics takes
+    # ~0.6 s to import on a small CPU host, on the Time to Start's critical path).
+    from torchmetrics.functional.classification import binary_auroc
+
     eps = 1e-7
     p = probs.double().clamp(eps, 1 - eps)
     y = labels.double()
