@@ -4,8 +4,9 @@ For each state size (a few large fp32 tensors, and the same tensors as TorchRec-
 ShardedTensors in a single-process gloo group) and each target (local disk, S3 on a moto
 server started here), the real ``Checkpointer`` is driven as the training loop drives it:
 
-    t0 = now; save(step, state, extra); wait_until_staged()   -> blocking (the loop waits)
-    wait_for_inflight()                                        -> commit (upload included)
+    register(state) once
+    t0 = now; save(step); wait_until_staged()   -> blocking (the loop waits)
+    wait_for_inflight()                          -> commit (upload included)
 
 for ``sync``, ``async`` and ``async_staged``, several reps each. The physical floor is a raw
 in-memory copy of the same tensors into preallocated CPU buffers. The first save of the
@@ -58,6 +59,7 @@ from torch.distributed._shard.sharded_tensor import (  # noqa: E402
 from infra import servers, storage  # noqa: E402
 from infra.ledger import Ledger, read_events  # noqa: E402
 from infra.settings import JobConfig, load_config  # noqa: E402
+from tests.factories import HeldState  # noqa: E402
 from trainer.checkpoint.checkpointer import Checkpointer  # noqa: E402
 from trainer.checkpoint.manifest import committed_checkpoints, library_versions  # noqa: E402
 
@@ -160,13 +162,18 @@ def bench_mode(
     storage.configure(config.storage)
     ledger = Ledger(f"file://{scratch}/ledgers/{job_id}")  # never on the target
     ckpt = Checkpointer(config, rank=0, world_size=1, ledger=ledger, process_group=pg)
+    position = HeldState({})
+    ckpt.register(
+        tensors={key: HeldState(part) for key, part in state.items()},
+        rank_state={"loader": position},
+    )
     blocking, commit, raw = [], [], []
     try:
         for step in range(1, reps + 2):
             raw.append(raw_copy())
             t0 = time.perf_counter()
-            extra = {"loader": {"epoch": 0, "shard_pos": step}}
-            ckpt.save(step, lambda extra=extra: (state, extra))
+            position.value = {"epoch": 0, "shard_pos": step}
+            ckpt.save(step)
             ckpt.wait_until_staged()  # the training thread may run the next step now
             t1 = time.perf_counter()
             ckpt.wait_for_inflight()

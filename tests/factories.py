@@ -129,3 +129,15 @@ __all__ = [
     "trainer_command",
     "write_dataset",
 ]
+
+
+class HeldState:
+    """A checkpointable part that is a plain dict, for driving the Checkpointer directly:
+    the test changes ``value`` (in place or by replacing it) between saves, as training
+    changes its live state."""
+
+    def __init__(self, value: dict[str, Any]) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.value

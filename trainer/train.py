@@ -21,7 +21,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +46,7 @@ from infra.settings import (
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.interval import FailureHistory, IntervalPolicy
 from trainer.checkpoint.manifest import CheckpointError
-from trainer.checkpoint.state import app_state
+from trainer.checkpoint.state import tensor_states
 from trainer.consensus import StepConsensus
 from trainer.data.batch import Batch
 from trainer.data.decode import DataError
@@ -192,13 +191,15 @@ def _train(
     restarter = InProcessRestart(config, env, ledger)
     eval_mode = config.train.eval
 
-    def snapshot() -> tuple[dict[str, Any], dict[str, Any]]:
-        """What a checkpoint holds: tensors for DCP, and this rank's data position."""
-        return app_state(model, optimizer, env.rank), {"loader": loader.state_dict()}
+    # What a checkpoint holds: tensors for DCP, and this rank's data position. Restored in
+    # place (in-process restart), so these stay the live objects for the whole attempt.
+    checkpointer.register(
+        tensors=tensor_states(model, optimizer, env.rank), rank_state={"loader": loader}
+    )
 
     def save(step: int) -> None:
         t0 = time.perf_counter()
-        checkpointer.save(step, snapshot)
+        checkpointer.save(step)
         policy.saved(time.perf_counter() - t0)
 
     blocking = config.train.step_consensus == ConsensusMode.BLOCKING
@@ -212,7 +213,7 @@ def _train(
             by_clock = env.is_main and step > last_saved and policy.due_by_clock()
             agreed = consensus.exchange(preemption.requested, by_clock)
             if agreed.preempt:
-                return _save_on_preemption(config, checkpointer, step, snapshot)
+                return _save_on_preemption(config, checkpointer, step)
             if agreed.checkpoint and last_saved < step < config.train.steps:
                 save(step)
                 last_saved = step
@@ -262,7 +263,7 @@ def _train(
             if due and step < config.train.steps and config.checkpoint.mode != CheckpointMode.OFF:
                 save(step)
                 last_saved = step
-        return _shutdown(config, parts, ledger, stats, step, snapshot, eval_mode)
+        return _shutdown(config, parts, ledger, stats, step, eval_mode)
     finally:
         checkpointer.close()
         if report is not None:  # never the step that failed: it did not happen
@@ -284,7 +285,6 @@ def _shutdown(
     ledger: Ledger,
     stats: LoopStats,
     step: int,
-    snapshot: Any,
     eval_mode: EvalMode,
 ) -> int:
     """The anchor checkpoint (and, in the loop's eval mode, the final evaluation)."""
@@ -295,7 +295,7 @@ def _shutdown(
             stats.last_eval = evaluate(parts.model, parts.holdout, env.device, env.cpu_group)
         # Else the anchor was saved already.
         if config.checkpoint.mode != CheckpointMode.OFF and step > parts.start_step:
-            checkpointer.save(step, snapshot, anchor=True)
+            checkpointer.save(step, anchor=True)
         checkpointer.close()
         anchor_failed = step in checkpointer.failed_steps
         if env.is_main:
@@ -327,15 +327,9 @@ def _write_final_metrics(
         log.error("could not write %s: %s", url, exc)
 
 
-def _save_on_preemption(
-    config: JobConfig,
-    checkpointer: Checkpointer,
-    step: int,
-    snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
-) -> int:
+def _save_on_preemption(config: JobConfig, checkpointer: Checkpointer, step: int) -> int:
     """Preempted: the whole save within the budget (trainer/checkpoint/checkpointer.py)."""
-    budget = config.checkpoint.preemption_budget_s
-    saved = checkpointer.emergency_save(step, snapshot, budget)
+    saved = checkpointer.emergency_save(step, config.checkpoint.preemption_budget_s)
     return ExitCode.PREEMPTED if saved else ExitCode.EMERGENCY_SAVE_FAILED
 
 

@@ -20,6 +20,11 @@ all-reduce) whether the step's folder is committed already, and if so the save i
 Each save has a nonce shared by all ranks; done-markers and the manifest carry it, so
 markers left by an earlier, failed try at the same step can never complete this one.
 
+What is saved is registered once (``register``): named objects whose ``state_dict()``
+tensors go to DCP, and named objects whose ``state_dict()`` is this rank's JSON state.
+Every save reads them inside its blocking span, so building the state dicts is accounted
+as checkpoint time.
+
 On SIGTERM, ``emergency_save`` holds the whole save (finishing the in-flight one, the new
 save, the commit) to ``checkpoint.preemption_budget_s``.
 
@@ -40,7 +45,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +73,7 @@ from trainer.checkpoint.manifest import (
 )
 from trainer.checkpoint.retention import purge_old
 from trainer.checkpoint.staging import ShardedStateStager, Staging
+from trainer.checkpoint.state import Stateful
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +116,9 @@ def remove_stale_spools(job_id: str, rank: int) -> list[str]:
 
 
 class Checkpointer:
-    """One per rank. ``save`` never raises for storage trouble: a failed checkpoint is
-    logged, marked in the ledger, and the previous committed one stays the latest."""
+    """One per rank. ``register`` its state once, then ``save`` reads it at every step it
+    is asked to. ``save`` never raises for storage trouble: a failed checkpoint is logged,
+    marked in the ledger, and the previous committed one stays the latest."""
 
     def __init__(
         self,
@@ -140,6 +147,8 @@ class Checkpointer:
         self._saves = 0
         self._nonce = ""  # of the latest save
         self._outcome: dict[str, str] = {}  # nonce -> committed | done | skipped | failed
+        self._tensors: Mapping[str, Stateful] | None = None  # to DCP, by key
+        self._rank_state: Mapping[str, Stateful] = {}  # to this rank's JSON state, by key
         # The config never changes: render its YAML once, not in every save's blocking time
         # (yaml's pure-Python emitter takes 10-30 ms, as long as staging 64 MB).
         rendered = os.path.join(self.spool, "config.yaml")
@@ -177,6 +186,33 @@ class Checkpointer:
             raise CheckpointError(f"cannot tell whether step {step} is committed already: {why}")
         if state:
             raise _AlreadyCommitted(step)
+
+    # -- what is saved ----------------------------------------------------------------------
+    def register(self, tensors: Mapping[str, Stateful], rank_state: Mapping[str, Stateful]) -> None:
+        """What every save holds, given once: ``tensors`` are saved by DCP, each object's
+        ``state_dict()`` under its key (tensors only: see state.py); ``rank_state`` goes into
+        this rank's JSON state beside the step, each under its key. The objects are read at
+        each save, so they must be the live ones that training changes in place."""
+        for key, part in {**tensors, **rank_state}.items():
+            if not callable(getattr(part, "state_dict", None)):
+                raise TypeError(
+                    f"checkpoint state {key!r} has no state_dict(): {type(part).__name__}"
+                )
+        self._tensors, self._rank_state = dict(tensors), dict(rank_state)
+
+    def _require_registered(self, step: int) -> None:
+        if self._tensors is None:
+            raise RuntimeError(
+                f"checkpoint at step {step}: no state registered; call "
+                "Checkpointer.register(tensors=..., rank_state=...) before saving"
+            )
+
+    def _state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The registered state, read now: the tensor state for DCP, and this rank's JSON
+        state."""
+        assert self._tensors is not None
+        tensors = {key: part.state_dict() for key, part in self._tensors.items()}
+        return tensors, {key: part.state_dict() for key, part in self._rank_state.items()}
 
     # -- saving -----------------------------------------------------------------------------
     def _make_stager(self) -> ShardedStateStager:
@@ -218,17 +254,12 @@ class Checkpointer:
             self._stager = self._make_stager()
         return self._stager
 
-    def save(
-        self,
-        step: int,
-        snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
-        anchor: bool = False,
-        blocking: bool = False,
-    ) -> None:
-        """Checkpoint at ``step`` what ``snapshot()`` returns: the tensor state for DCP and
-        this rank's JSON state (step, data position). Called inside the blocking span, so
-        building the state dicts is accounted as checkpoint time. A step committed already
-        is not saved again (logged, recorded in ``skipped_steps``).
+    def save(self, step: int, anchor: bool = False, blocking: bool = False) -> None:
+        """Checkpoint the registered state at ``step``: its tensors for DCP and this rank's
+        JSON state (step, data position). The state dicts are built inside the blocking
+        span, so building them is accounted as checkpoint time. A step committed already is
+        not saved again (logged, recorded in ``skipped_steps``). Raises RuntimeError when
+        nothing is registered.
 
         Blocks only for what the mode must: the previous checkpoint if still in flight, and
         the staging copy (sync mode: the whole write). ``anchor`` and ``blocking`` force a
@@ -241,6 +272,7 @@ class Checkpointer:
         scheduled, a third of a 64 MB copy. That is why this path calls ``dcp.save`` on its
         own thread instead of ``dcp.async_save``, which starts its thread mid-copy.
         """
+        self._require_registered(step)
         mode = CheckpointMode.SYNC if anchor or blocking else self.config.checkpoint.mode
         nonce = self._nonce = f"{self._token}-{self._saves}"
         self._saves += 1
@@ -248,7 +280,7 @@ class Checkpointer:
             waited = self.wait_for_inflight()
             attrs["waited_for_previous_s"] = round(waited, 6)
             self._outcome = {}  # nothing older is waited for again
-            state, extra = snapshot()
+            state, extra = self._state_dicts()
             error: list[BaseException] = []
             if mode == CheckpointMode.ASYNC_STAGED:
                 staging = self._get_stager().begin(state)
@@ -360,20 +392,17 @@ class Checkpointer:
         self._inflight = None
         return time.perf_counter() - start
 
-    def emergency_save(
-        self,
-        step: int,
-        snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
-        budget_s: float,
-    ) -> bool:
-        """Preempted: save at ``step`` within ``budget_s`` for the WHOLE of it (waiting for
-        the in-flight checkpoint, the new save, the commit). True when the step is
-        committed (by this save, by the in-flight one, or before: a committed step is not
-        saved again) or checkpoints are off; False when the save failed or ran out of time.
-        Every rank returns the same answer unless a rank dies or storage fails mid-way.
+    def emergency_save(self, step: int, budget_s: float) -> bool:
+        """Preempted: save the registered state at ``step`` within ``budget_s`` for the
+        WHOLE of it (waiting for the in-flight checkpoint, the new save, the commit). True
+        when the step is committed (by this save, by the in-flight one, or before: a
+        committed step is not saved again) or checkpoints are off; False when the save
+        failed or ran out of time. Every rank returns the same answer unless a rank dies or
+        storage fails mid-way. Raises RuntimeError when nothing is registered.
 
         What outlives a False (a thread stuck in an upload) is abandoned: it cannot
         commit anything older than the committed checkpoint, and the process exits."""
+        self._require_registered(step)
         log.warning("preempted: saving at step %d within %.0f s", step, budget_s)
         if self.config.checkpoint.mode == CheckpointMode.OFF:
             return True
@@ -398,7 +427,7 @@ class Checkpointer:
         def save_and_confirm() -> None:
             if device is not None:  # the current device is per thread
                 torch.cuda.set_device(device)
-            self.save(step, snapshot, blocking=True)
+            self.save(step, blocking=True)
             result.append(self._confirm(step, deadline))
 
         thread = threading.Thread(target=save_and_confirm, name=f"ckpt-emergency-{step}")

@@ -28,6 +28,7 @@ from torch.distributed._shard.sharded_tensor import (
 from infra import storage
 from infra.ledger import Ledger, read_events
 from infra.settings import JobConfig, load_config
+from tests.factories import HeldState
 from tests.reliability.cutting_proxy import RequestCutter
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.manifest import (
@@ -68,6 +69,17 @@ def _load(url: str, pg: dist.ProcessGroup) -> dict[str, Any]:
     return into
 
 
+def _register(ckpt: Checkpointer, state: dict[str, Any]) -> HeldState:
+    """Register ``state`` (read at every save) and a loader position; returns the position,
+    which the test may change between saves."""
+    position = HeldState({})
+    ckpt.register(
+        tensors={key: HeldState(part) for key, part in state.items()},
+        rank_state={"loader": position},
+    )
+    return position
+
+
 def _config(tmp_path, mode: str) -> JobConfig:
     return load_config(
         job_id=f"direct-{mode}",
@@ -85,11 +97,12 @@ def test_checkpoint_holds_the_weights_of_its_step_though_the_loop_moves_on(
     ledger = Ledger(f"file://{tmp_path}/ledger")
     ckpt = Checkpointer(config, rank=0, world_size=1, ledger=ledger, process_group=group)
     state = _state(group, 0.0)
+    position = _register(ckpt, state)
     try:
         for step in (1, 2, 3):
             _fill(state, float(step))
-            extra = {"loader": {"shard_pos": step}}
-            ckpt.save(step, lambda extra=extra: (state, extra))
+            position.value = {"shard_pos": step}
+            ckpt.save(step)
             ckpt.wait_until_staged()
             _fill(state, -1.0)  # the next step overwrites the weights at once
         ckpt.wait_for_inflight()
@@ -118,9 +131,10 @@ def test_async_staged_writes_nothing_until_the_copy_is_released(
     ledger = Ledger(f"file://{tmp_path}/ledger")
     ckpt = Checkpointer(config, rank=0, world_size=1, ledger=ledger, process_group=group)
     state = _state(group, 7.0)
+    _register(ckpt, state)
     step_dir = os.path.join(str(tmp_path), "store", "jobs")
     try:
-        ckpt.save(1, lambda: (state, {"loader": {}}))
+        ckpt.save(1)
         inflight = ckpt._inflight
         assert inflight is not None and not inflight.thread.is_alive()
         assert not any(step_dir_name(1) in root for root, _, _ in os.walk(step_dir))
@@ -140,8 +154,9 @@ def test_a_failed_staging_copy_fails_that_checkpoint_not_training(
     ledger = Ledger(f"file://{tmp_path}/ledger")
     ckpt = Checkpointer(config, rank=0, world_size=1, ledger=ledger, process_group=group)
     state = _state(group, 1.0)
+    _register(ckpt, state)
     try:
-        ckpt.save(1, lambda: (state, {"loader": {}}))
+        ckpt.save(1)
         ckpt.wait_for_inflight()
         stager = ckpt._stager
         assert stager is not None
@@ -156,7 +171,7 @@ def test_a_failed_staging_copy_fails_that_checkpoint_not_training(
             return staging
 
         stager.begin = broken_copy  # type: ignore[method-assign]
-        ckpt.save(2, lambda: (state, {"loader": {}}))
+        ckpt.save(2)
         ckpt.wait_until_staged()  # does not raise: the loop goes on
         ckpt.wait_for_inflight()
     finally:
@@ -174,13 +189,14 @@ def test_a_committed_step_is_not_written_again(tmp_path, group: dist.ProcessGrou
     ledger = Ledger(f"file://{tmp_path}/ledger")
     ckpt = Checkpointer(config, rank=0, world_size=1, ledger=ledger, process_group=group)
     state = _state(group, 1.0)
+    _register(ckpt, state)
     try:
-        ckpt.save(1, lambda: (state, {"loader": {}}))
+        ckpt.save(1)
         [first] = committed_checkpoints(config.job_url)
         folder = storage.local_path(first.url) or ""
         before = {n: os.stat(os.path.join(folder, n)).st_mtime_ns for n in os.listdir(folder)}
         _fill(state, 2.0)
-        ckpt.save(1, lambda: (state, {"loader": {}}), blocking=True)
+        ckpt.save(1, blocking=True)
     finally:
         ckpt.close()
         ledger.close()
@@ -228,7 +244,8 @@ def test_markers_of_an_earlier_try_never_complete_a_new_commit(
     helper = threading.Thread(target=rank1)
     helper.start()
     try:
-        ckpt.save(1, lambda: (_state(group, 1.0), {"loader": {}}))
+        _register(ckpt, _state(group, 1.0))
+        ckpt.save(1)
     finally:
         saved.set()
         helper.join()
@@ -269,17 +286,41 @@ def _failed_marks(tmp_path) -> list[tuple[int | None, str]]:
     return [(e.step, e.attrs["error"]) for e in events if e.name == "checkpoint_failed"]
 
 
+def test_saving_before_any_state_is_registered_is_a_clear_error(
+    tmp_path, group: dist.ProcessGroup
+) -> None:
+    """Nothing to save is a bug in the caller, not a storage failure: it raises, naming the
+    fix, instead of logging a failed checkpoint; and what is registered must be readable."""
+    config = _config(tmp_path, "sync")
+    ckpt, ledger = _checkpointer(tmp_path, config, group)
+    try:
+        with pytest.raises(RuntimeError, match=r"step 1: no state registered; call Check"):
+            ckpt.save(1)
+        with pytest.raises(RuntimeError, match=r"step 2: no state registered"):
+            ckpt.emergency_save(2, budget_s=1)
+        with pytest.raises(TypeError, match=r"'model' has no state_dict\(\): dict"):
+            ckpt.register(tensors={"model": {"w": torch.ones(1)}}, rank_state={})
+        with pytest.raises(RuntimeError, match="no state registered"):
+            ckpt.save(3)  # a refused registration registers nothing
+    finally:
+        ckpt.close()
+        ledger.close()
+    assert ckpt.failed_steps == [] and _failed_marks(tmp_path) == []
+    assert not storage.exists(checkpoints_url(config.job_url))
+
+
 def test_emergency_save_waits_for_the_inflight_one_and_commits_its_step(
     tmp_path, group: dist.ProcessGroup
 ) -> None:
     ckpt, ledger = _checkpointer(tmp_path, _config(tmp_path, "async"), group)
     state = _state(group, 1.0)
+    _register(ckpt, state)
     try:
-        ckpt.save(1, lambda: (state, {"loader": {}}))  # still committing on its thread
+        ckpt.save(1)  # still committing on its thread
         _fill(state, 2.0)
-        assert ckpt.emergency_save(2, lambda: (state, {"loader": {}}), budget_s=120)
+        assert ckpt.emergency_save(2, budget_s=120)
         # Asked again at a committed step (a second SIGTERM): nothing written, still saved.
-        assert ckpt.emergency_save(2, lambda: (state, {"loader": {}}), budget_s=120)
+        assert ckpt.emergency_save(2, budget_s=120)
     finally:
         ckpt.close()
         ledger.close()
@@ -300,10 +341,11 @@ def test_emergency_save_abandons_an_inflight_upload_that_outlasts_the_budget(
     held = HeldAt("written", 1)
     ckpt, ledger = _checkpointer(tmp_path, config, group, held)
     state = _state(group, 1.0)
+    _register(ckpt, state)
     try:
-        ckpt.save(1, lambda: (state, {"loader": {}}))
+        ckpt.save(1)
         assert held.reached.wait(60)
-        assert not ckpt.emergency_save(2, lambda: (state, {"loader": {}}), budget_s=0.2)
+        assert not ckpt.emergency_save(2, budget_s=0.2)
         ckpt.close()  # returns although step 1's upload is still held
         assert held.reached.is_set() and not held.release.is_set()
         assert committed_checkpoints(config.job_url) == []
@@ -323,9 +365,10 @@ def test_emergency_save_that_outlasts_the_budget_is_not_the_latest(
     held = HeldAt("before_manifest", 2)
     ckpt, ledger = _checkpointer(tmp_path, config, group, held)
     state = _state(group, 1.0)
+    _register(ckpt, state)
     try:
-        ckpt.save(1, lambda: (state, {"loader": {}}))
-        assert not ckpt.emergency_save(2, lambda: (state, {"loader": {}}), budget_s=0.2)
+        ckpt.save(1)
+        assert not ckpt.emergency_save(2, budget_s=0.2)
         ckpt.close()  # does not wait for the abandoned save
         assert not held.release.is_set()
         assert [c.step for c in committed_checkpoints(config.job_url)] == [1]
@@ -341,7 +384,8 @@ def test_emergency_save_with_checkpoints_off_writes_nothing(
     config = _config(tmp_path, "off")
     ckpt, ledger = _checkpointer(tmp_path, config, group)
     try:
-        assert ckpt.emergency_save(3, lambda: (_state(group, 1.0), {}), budget_s=1)
+        _register(ckpt, _state(group, 1.0))
+        assert ckpt.emergency_save(3, budget_s=1)
     finally:
         ckpt.close()
         ledger.close()
@@ -378,10 +422,11 @@ def test_on_s3_a_failed_upload_leaves_its_step_uncommitted(
     )
     ckpt, ledger = _checkpointer(tmp_path, config, group)
     state = _state(group, 1.0)
+    _register(ckpt, state)
     try:
-        ckpt.save(1, lambda: (state, {"loader": {}}))
+        ckpt.save(1)
         cut = s3_proxy.cut("PUT", rf"/{step_dir_name(2)}/\.metadata")
-        ckpt.save(2, lambda: (state, {"loader": {}}))
+        ckpt.save(2)
     finally:
         ckpt.close()
         ledger.close()

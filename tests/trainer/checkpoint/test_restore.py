@@ -15,6 +15,7 @@ import torch.distributed as dist
 from infra import storage
 from infra.ledger import Ledger
 from infra.settings import JobConfig, load_config
+from tests.factories import HeldState
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.manifest import (
     QUARANTINE,
@@ -46,9 +47,15 @@ def _save(config: JobConfig, group: dist.ProcessGroup, tmp_path, *steps: int) ->
     storage.configure(config.storage)
     ledger = Ledger(f"file://{tmp_path}/ledger-{config.job_id}")
     ckpt = Checkpointer(config, 0, 1, ledger, process_group=group)
+    tensors = {key: HeldState(part) for key, part in _state(0.0).items()}
+    position = HeldState({})
+    ckpt.register(tensors=tensors, rank_state={"loader": position})
     try:
         for step in steps:
-            ckpt.save(step, lambda s=step: (_state(float(s)), {"loader": {"pos": s * 10}}))
+            for key, part in _state(float(step)).items():
+                tensors[key].value = part
+            position.value = {"pos": step * 10}
+            ckpt.save(step)
     finally:
         ckpt.close()
         ledger.close()
