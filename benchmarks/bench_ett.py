@@ -128,7 +128,7 @@ def run_variant(variant: str, work: Path, args: argparse.Namespace) -> dict[str,
             step=result["anchor"]["step"],
             job_id=result["job_id"],
             mlflow_run_id=result["mlflow_run_id"],
-            settings={"tracking_uri": load_config(config=str(path)).tracking.mlflow_uri},
+            settings={"tracking_uri": load_config(str(path)).tracking.mlflow_uri},
         )
         row["publish_after_job_s"] = round(time.monotonic() - t0, 1)
     return row
