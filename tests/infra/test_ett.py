@@ -523,14 +523,43 @@ def test_a_promoted_standby_counts_from_its_promotion(tmp_path) -> None:
         "other": 0,
     }
     assert r.standbys == (StandbyRecord(attempt=1, prewarm_s=2, parked_s=3, promoted_at=8),)
-    assert [(a.attempt, a.outcome, a.start) for a in r.attempts] == [
-        (0, "failed", 0),
-        (1, "completed", 8),
+    assert [(a.attempt, a.outcome, a.start, a.end) for a in r.attempts] == [
+        (0, "failed", 0, 6),
+        (1, "completed", 8, 13),
     ]
     assert r.failures == (
         FailureRecord(0, "sigkill", 4, died_at=6, detected_at=8, resumed_at=9, time_to_recover_s=3),
     )
     assert r.time_to_start_s == 2 and r.init[1].wall_s == 1  # promoted -> its first step
+
+
+def test_a_job_shorter_than_a_second_gets_its_percentages(tmp_path) -> None:
+    """In tenths of a second: a0 device_init [0,1], steps 1-2 [1,3], killed (failure mark @4,
+    step 2); a1 device_init [4,5], steps 2-3 [5,7], job_end @7.
+
+    W = 0.7 s: startup 0.1, effective a0's step 1 + a1's steps 2-3 = 0.3, wasted a0's step 2
+    = 0.1, recovery [3,5] = 0.2 (a1's init inside it). ETT% = Failure% = 300/7."""
+    url = str(tmp_path / "job")
+    clock = lambda: T0  # noqa: E731
+    tenth = lambda x: T0 + x / 10  # noqa: E731
+    with Ledger(url, attempt=0, clock=clock) as tr:
+        tr.record_span("device_init", tenth(0), tenth(1))
+        for step in (1, 2):
+            tr.record_span("train_step", tenth(step), tenth(step + 1), step=step)
+    with Ledger(url, attempt=0, role="orchestrator", clock=clock) as o:
+        o.mark("failure", step=2, t=tenth(4), cause="sigkill")
+    with Ledger(url, attempt=1, clock=clock) as tr:
+        tr.record_span("device_init", tenth(4), tenth(5))
+        for step in (2, 3):
+            tr.record_span("train_step", tenth(step + 3), tenth(step + 4), step=step)
+        tr.mark("job_end", step=3, t=tenth(7))
+    r = report_for_job(url)
+    assert r.wall_s == pytest.approx(0.7, abs=1e-6)
+    assert r.buckets["effective_training"] == pytest.approx(0.3, abs=1e-6)
+    assert r.buckets["wasted_training"] == pytest.approx(0.1, abs=1e-6)
+    assert r.buckets["recovery"] == pytest.approx(0.2, abs=1e-6)
+    assert r.ett_pct == pytest.approx(300 / 7, abs=1e-4)
+    assert r.failure_pct == pytest.approx(300 / 7, abs=1e-4)
 
 
 def test_an_in_process_restart_is_a_failure_inside_the_attempt(tmp_path) -> None:
