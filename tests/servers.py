@@ -17,9 +17,9 @@ Import them into tests/conftest.py:
 
 Each server runs once per session on a free 127.0.0.1 port with its state and logs in one
 pytest tmp dir (``servers0/<name>.log``), and is stopped at the end of the session. Servers
-boot slowly on 2 cores (MLflow ~14 CPU-s, Prefect ~22 CPU-s), so when the first one is
-needed, every server that any selected test uses is launched at once and they boot in
-parallel.
+boot slowly on 2 cores, so when the first one is needed, every server that any selected
+test uses is launched at once and they boot in parallel (under pytest-xdist: those the
+worker's tests are likely to need, see ``_wanted``).
 """
 
 from __future__ import annotations
