@@ -11,12 +11,7 @@ import pytest
 
 from infra.ledger import Ledger, Mark, read_events
 from infra.settings import load_config
-from trainer.checkpoint.interval import (
-    FIRST_AUTO_CHECKPOINT_S,
-    FailureHistory,
-    IntervalPolicy,
-    IntervalReason,
-)
+from trainer.checkpoint.interval import FailureHistory, IntervalPolicy, IntervalReason
 
 
 class Clock:
@@ -66,7 +61,8 @@ def test_auto_takes_a_first_checkpoint_soon_then_spends_the_budget(tmp_path: Pat
         clock.t += 0.1
         p.step_done(0.1, commit_running=False)
     assert not any(p.due_at(s) for s in range(1, 100))  # never by step count
-    clock.t = 1000.0 + FIRST_AUTO_CHECKPOINT_S
+    assert p.interval_s == 1.0  # docs/checkpoints.md: the first after one second of training
+    clock.t = 1000.0 + 1.0
     assert p.due_by_clock()
     # blocking 5 ms + two steps slowed by 2.5 ms each: the true cost is 10 ms.
     one_checkpoint(p, clock, 0.005, [0.0025, 0.0025])
@@ -203,3 +199,25 @@ def test_the_interval_moves_only_when_it_changes_by_more_than_a_tenth(tmp_path: 
     assert seen == pytest.approx([2.0, 2.0, 2.0, 3.075])
     got = [(m["reason"], m["interval_s"]) for m in marks(tmp_path)]
     assert got == [("budget", pytest.approx(2.0)), ("budget", pytest.approx(3.075))]
+
+
+def test_the_cost_is_the_median_of_the_last_64_checkpoints(tmp_path: Path) -> None:
+    """33 checkpoints blocking 0.3 s, then 32 blocking 0.1 s: the last 64 hold 32 of each,
+    whose median is 0.2 s (docs/checkpoints.md); 63 or 65 would give 0.1 or 0.3."""
+    clock = Clock()
+    p = policy(tmp_path, clock, every_steps="auto")
+    clock.t += 0.1
+    p.step_done(0.1, commit_running=False)
+    for blocking in [0.3] * 33 + [0.1] * 32:
+        one_checkpoint(p, clock, blocking, [0.0])
+    assert p.cost_s() == pytest.approx(0.2)
+
+
+def test_no_failures_known_is_no_mtbf(tmp_path: Path) -> None:
+    """A history given only the job's start (no count) knows no failure: budget, not Young."""
+    clock = Clock()
+    p = policy(tmp_path, clock, FailureHistory(job_started_at=clock.t - 100.0), every_steps="auto")
+    clock.t += 0.1
+    p.step_done(0.1, commit_running=False)
+    one_checkpoint(p, clock, 0.01, [0.0])
+    assert p.reason == IntervalReason.BUDGET
