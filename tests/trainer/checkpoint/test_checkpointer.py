@@ -229,7 +229,12 @@ def test_markers_of_an_earlier_try_never_complete_a_new_commit(
     def rank1() -> None:
         folder = storage.local_path(url) or ""
         while not saved.is_set():
-            mine = [n for n in os.listdir(folder) if n.startswith("_done.rank000.")]
+            # Not a marker's temp file (storage writes <name>.tmp-<pid>, then renames it).
+            mine = [
+                n
+                for n in os.listdir(folder)
+                if n.startswith("_done.rank000.") and n.endswith(".json")
+            ]
             if mine:
                 nonce = mine[0][len("_done.rank000.") : -len(".json")]
                 time.sleep(0.3)  # rank 1 is slower: the commit must wait for it
