@@ -62,6 +62,7 @@ class Progress:
     total: int
     t: float  # Unix time of the report
     started: float  # Unix time the trainer process started (its attempt_start)
+    restarts: int = 0  # in-process restarts of this attempt so far: failures it survived
 
 
 def _fifo_name(local_rank: int) -> str:
@@ -76,8 +77,13 @@ def _exit_name(local_rank: int) -> str:
     return f"rank{local_rank}.exit"
 
 
-def encode_progress(phase: Phase, step: int, total: int, t: float, started: float) -> bytes:
-    line = f'{{"phase":"{phase}","step":{step},"total":{total},"t":{t!r},"started":{started!r}}}'
+def encode_progress(
+    phase: Phase, step: int, total: int, t: float, started: float, restarts: int = 0
+) -> bytes:
+    line = (
+        f'{{"phase":"{phase}","step":{step},"total":{total},"t":{t!r},"started":{started!r},'
+        f'"restarts":{restarts}}}'
+    )
     return line.ljust(_PROGRESS_WIDTH).encode()
 
 
@@ -86,7 +92,14 @@ def decode_progress(raw: bytes) -> Progress | None:
         rec = json.loads(raw.decode().strip() or "null")
         if rec is None:
             return None
-        return Progress(Phase(rec["phase"]), rec["step"], rec["total"], rec["t"], rec["started"])
+        return Progress(
+            Phase(rec["phase"]),
+            rec["step"],
+            rec["total"],
+            rec["t"],
+            rec["started"],
+            int(rec.get("restarts", 0)),
+        )
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -216,11 +229,12 @@ class RankControl:
                 return msg
             log.warning("ignoring unexpected control message %s", msg)
 
-    def report(self, phase: Phase, step: int = 0, total: int = 0) -> None:
-        """Rank 0 rewrites the progress record in place (one syscall)."""
+    def report(self, phase: Phase, step: int = 0, total: int = 0, restarts: int = 0) -> None:
+        """Rank 0 rewrites the progress record in place (one syscall). ``restarts``: the
+        attempt's in-process restarts so far, failures the orchestrator would not see."""
         if self._progress_fd is None:
             flags = os.O_WRONLY | os.O_CREAT
             self._progress_fd = os.open(os.path.join(self.path, PROGRESS_FILE), flags, 0o600)
         with contextlib.suppress(OSError):  # the folder is gone: the orchestrator is leaving
-            record = encode_progress(phase, step, total, time.time(), self.started)
+            record = encode_progress(phase, step, total, time.time(), self.started, restarts)
             os.pwrite(self._progress_fd, record, 0)

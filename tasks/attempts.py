@@ -273,6 +273,7 @@ class AttemptReport:
     total_steps: int | None = None
     from_standby: bool = False
     reached_trainer_s: float | None = None  # started -> the trainer's first report
+    restarts_in_process: int = 0  # exceptions it recovered from without a new process
 
     @property
     def failed(self) -> bool:
@@ -411,6 +412,7 @@ class JobRunner:
         self.job_started_at = time.time()
         self._standby: AttemptProcess | None = None
         self._failures = 0
+        self._recovered_in_process = 0
         self._settled = False
         self._lease_env: dict[str, str] = {}
 
@@ -418,10 +420,17 @@ class JobRunner:
     def _spawn(self, number: int, standby: bool) -> AttemptProcess:
         env = {
             **self._lease_env,
-            "ETT_JOB_FAILURES": str(self._failures),
+            "ETT_JOB_FAILURES": str(self.observed_failures),
             "ETT_JOB_STARTED_AT": repr(self.job_started_at),
         }
         return AttemptProcess.spawn(self.spec, number, standby, env, self.log)
+
+    @property
+    def observed_failures(self) -> int:
+        """Every failure of the job so far, the ones recovered in process included: what the
+        next attempt's checkpoint interval estimates the MTBF from. (``max_failures`` counts
+        only the failures that ended an attempt.)"""
+        return self._failures + self._recovered_in_process
 
     def _progress(self, attempt: AttemptProcess, progress: Progress) -> None:
         if progress.phase == Phase.TRAINING:
@@ -466,6 +475,7 @@ class JobRunner:
                 total_steps=last.total if last is not None and last.total else None,
                 from_standby=attempt.promoted_at is not None,
                 reached_trainer_s=None if reached is None else max(reached - started, 0.0),
+                restarts_in_process=last.restarts if last is not None else 0,
             )
             if report.failed:
                 ledger.mark(
@@ -507,6 +517,7 @@ class JobRunner:
                     raise
                 current.end(self.timeouts.grace_s, preempt=False)  # what is left of it
                 reports.append(report)
+                self._recovered_in_process += report.restarts_in_process
                 if self.on_attempt is not None:
                     self.on_attempt(report)
                 if report.outcome == Outcome.SUCCESS:
@@ -567,7 +578,7 @@ class JobRunner:
             self.sleep(delay)
         if standby is not None and standby.number == number and standby.poll() is None:
             standby.promote(
-                failures=self._failures, job_started_at=self.job_started_at, attempt=number
+                failures=self.observed_failures, job_started_at=self.job_started_at, attempt=number
             )
             return standby
         if standby is not None:

@@ -14,6 +14,9 @@ preemption too (commit at the next step boundary, exit 83).
 FAKE_HANG_LIMIT_S=<s>: a hang nobody ended gives up after s seconds and exits 1 (a crash),
 so a broken hang detector fails its test's assertions instead of stalling it.
 
+FAKE_EXCEPTION_STEPS=<s,s,...>: attempt 0 raises at these steps and restarts in process, as
+the trainer does: back to the last commit, counted in the progress record's ``restarts``.
+
 FAKE_EXIT_CODE=<n> exits at once with n (e.g. 2, a bad config) after marking attempt_start.
 FAKE_RANK_CHILD=<path> starts a child in a session of its own, as torchrun does with its
 ranks, which only a whole-tree kill ends; its pid goes to ``<path>.<attempt>``.
@@ -49,8 +52,15 @@ def main(control: RankControl | None) -> int:
     every = cfg["checkpoint"]["every_steps"]
     every = every if isinstance(every, int) else 10
     faults = {f["step"]: f["kind"] for f in cfg.get("faults") or [] if f["attempt"] == attempt}
+    if attempt == 0 and os.environ.get("FAKE_EXCEPTION_STEPS"):
+        faults.update({int(s): "exception" for s in os.environ["FAKE_EXCEPTION_STEPS"].split(",")})
     ledger = Ledger(job_url, attempt=attempt, rank=0, sync_every_s=0.0)
-    ledger.mark(Mark.ATTEMPT_START, pid=os.getpid(), standby=bool(control and control.standby))
+    ledger.mark(
+        Mark.ATTEMPT_START,
+        pid=os.getpid(),
+        standby=bool(control and control.standby),
+        failures=int(os.environ.get("ETT_JOB_FAILURES", "0")),  # what the orchestrator says
+    )
     if control is not None:
         control.report(Phase.INIT)
     print(f"fake trainer: attempt {attempt} of {cfg['job_id']} starting", flush=True)
@@ -65,10 +75,10 @@ def main(control: RankControl | None) -> int:
     if control is not None and control.standby:
         ledger.mark(Mark.STANDBY_READY)
         control.report(Phase.PARKED)
-        if control.wait(Command.PROMOTE) is None:
+        if (promotion := control.wait(Command.PROMOTE)) is None:
             ledger.close()
             return ExitCode.SUCCESS
-        ledger.mark(Mark.PROMOTED)
+        ledger.mark(Mark.PROMOTED, failures=promotion.get("failures"))
         control.report(Phase.INIT)
     ckpt = storage.join(job_url, "fake_ckpt.txt")
     step = int(storage.read_text(ckpt)) if storage.exists(ckpt) else 0
@@ -83,12 +93,20 @@ def main(control: RankControl | None) -> int:
         storage.write_text(ckpt, str(at))
         ledger.mark(Mark.CHECKPOINT_COMMITTED, step=at, url=f"{job_url}/checkpoints/step-{at}")
 
+    restarts = 0
     while step < steps:
         step += 1
-        kind = faults.get(step)
+        kind = faults.pop(step, None)  # an in-process restart passes its step again
         if kind == "crash":
             print(f"injected crash at step {step}", flush=True)
             return ExitCode.CRASH
+        if kind == "exception":
+            restarts += 1
+            step = int(storage.read_text(ckpt)) if storage.exists(ckpt) else 0
+            print(f"injected exception: restarting in process at step {step}", flush=True)
+            if control is not None:
+                control.report(Phase.TRAINING, step, steps, restarts)
+            continue
         if kind == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         give_up = time.monotonic() + float(os.environ.get("FAKE_HANG_LIMIT_S", "3600"))
@@ -101,7 +119,7 @@ def main(control: RankControl | None) -> int:
         with ledger.span(Span.TRAIN_STEP, step=step):
             time.sleep(STEP_S)
         if control is not None:
-            control.report(Phase.TRAINING, step, steps)
+            control.report(Phase.TRAINING, step, steps, restarts)
         if kind == "sigterm" or preempted:
             print(f"preempted: saving at step {step}", flush=True)
             commit(step)

@@ -41,7 +41,8 @@ class InProcessRestart:
 
     def __init__(self, config: JobConfig, env: DistEnv, ledger: Ledger) -> None:
         self.config, self.env, self.ledger = config, env, ledger
-        self.generation = 0
+        self.generation = 0  # agreements started (the store keys' namespace)
+        self.restarts = 0  # exceptions recovered from: failures the attempt survived
         self.last: float | None = None
 
     def recover(
@@ -91,6 +92,7 @@ class InProcessRestart:
             error=f"{type(exc).__name__}: {exc}"[:300],
         )
         loader.load_state_dict(resume.loader or START_POSITION)
+        self.restarts += 1
         return resume
 
     def _agree(self, timeout_s: float) -> bool:

@@ -238,13 +238,16 @@ def _train(
                 resume = restarter.recover(exc, step, model, optimizer, loader, checkpointer)
                 step, batches, pending = resume.step, iter(loader), None
                 last_saved = finished = step
+                policy.failures_seen(policy.history.after_failure(time.time()))
+                if report is not None:  # the orchestrator counts it for the next attempts
+                    report(Phase.TRAINING, step, config.train.steps, restarter.restarts)
                 continue
             finished = step
             committing = committing or checkpointer.commit_running
             policy.step_done(time.perf_counter() - t0, committing)
             stats.add(loss, len(batch))
             if report is not None:
-                report(Phase.TRAINING, step, config.train.steps)
+                report(Phase.TRAINING, step, config.train.steps, restarter.restarts)
             if step % config.train.log_every == 0 and env.is_main:
                 mean_loss, rate = stats.take()
                 log.info(
@@ -267,7 +270,7 @@ def _train(
     finally:
         checkpointer.close()
         if report is not None:  # never the step that failed: it did not happen
-            report(Phase.DONE, finished, config.train.steps)
+            report(Phase.DONE, finished, config.train.steps, restarter.restarts)
 
 
 def _evaluate(parts: Components, ledger: Ledger, stats: LoopStats, step: int) -> None:

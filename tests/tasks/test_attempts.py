@@ -221,6 +221,31 @@ def test_standby_is_promoted_after_a_sigkill_and_a_preemption(tmp_path: Path) ->
     assert _fake_pids(tmp_path) == []
 
 
+@pytest.mark.parametrize("standby", [True, False])
+def test_failures_recovered_in_process_reach_the_next_attempts_mtbf(
+    tmp_path: Path, standby: bool
+) -> None:
+    """Attempt 0 survives two exceptions in process, then is SIGKILLed: the next attempt
+    (promoted or launched cold) is told of all three failures, while ``max_failures``
+    counts only the one that ended an attempt."""
+    faults = [{"kind": "sigkill", "step": 9, "attempt": 0}]
+    env = {"FAKE_EXCEPTION_STEPS": "3,6"}
+    config, outcome, _ = _run(
+        tmp_path, faults, RetryPolicy(max_failures=1), standby=standby, env=env
+    )
+    assert outcome.succeeded, outcome.message
+    assert [a.restarts_in_process for a in outcome.attempts] == [2, 0]
+    assert outcome.failures == 1  # the in-process restarts are not attempt failures
+    events = read_events(config.job_url)
+    told = [e.attrs["failures"] for e in events if e.name == Mark.ATTEMPT_START]
+    if standby:  # the standby was spawned before any failure; its promotion carries them
+        promoted = [e.attrs["failures"] for e in events if e.name == Mark.PROMOTED]
+        assert (told, promoted) == ([0, 0], [3])
+    else:
+        assert told == [0, 3]
+    assert _fake_pids(tmp_path) == []
+
+
 def test_same_failure_repeating_backs_off(tmp_path: Path) -> None:
     faults = [{"kind": "crash", "step": 3, "attempt": a} for a in range(3)]
     config, outcome, sleeps = _run(tmp_path, faults, RetryPolicy(max_failures=2, backoff_s=1))

@@ -151,6 +151,7 @@ def test_progress_reaches_the_orchestrator_and_every_recovery_resumes_at_its_com
     assert [a.outcome for a in outcome.attempts] == [Outcome.CRASH, Outcome.SUCCESS]
     assert [a.last_step for a in outcome.attempts] == [6, steps]
     assert [a.total_steps for a in outcome.attempts] == [steps, steps]
+    assert [a.restarts_in_process for a in outcome.attempts] == [1, 0]
     assert all(a.reached_trainer_s is not None for a in outcome.attempts)
     # on_progress sees the record as sampled (every 50 ms): not every step, but only steps
     # that ran, of this job's total.
@@ -164,6 +165,9 @@ def test_progress_reaches_the_orchestrator_and_every_recovery_resumes_at_its_com
     assert (failure.attempt, failure.step, failure.attrs["cause"]) == (0, 6, "crash")
     restarts = [e for e in events if e.name == Mark.IN_PROCESS_RESTART]
     assert [(e.attempt, e.step) for e in restarts] == [(0, 5)]  # not the escalated one
+    # The relaunch's interval policy knows both failures: the one survived in process too.
+    intervals = [e for e in events if e.name == Mark.CHECKPOINT_INTERVAL]
+    assert [(e.attempt, e.attrs["failures"]) for e in intervals] == [(0, 0), (1, 2)]
     launches = [e for e in events if e.name == Span.LAUNCHER_INIT]
     assert [e.attrs["reached_trainer"] for e in launches] == [True, True]
     report = report_for_job(config.job_url)

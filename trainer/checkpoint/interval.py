@@ -11,7 +11,9 @@ really costs this job, measured as it trains:
 - **Before any failure is known**, the interval spends a fixed share of training time on
   checkpoints: ``interval = cost / checkpoint.cost_budget`` (1% by default).
 - **Once failures are observed** (the orchestrator tells the attempt how many the job has
-  had and since when), Young's optimum from the measured cost and the observed MTBF:
+  had and since when, those recovered in process included; an in-process restart also
+  counts at once in its own attempt), Young's optimum from the measured cost and the
+  observed MTBF:
   ``interval = sqrt(2 x cost x MTBF)`` (infra/advisor.py).
 - **Never shorter than the upload**: at most one checkpoint is in flight, so an interval
   below the commit time would only make the next save wait.
@@ -53,6 +55,11 @@ class FailureHistory:
 
     failures: int = 0
     job_started_at: float | None = None  # Unix time of the job's first attempt
+
+    def after_failure(self, now: float) -> FailureHistory:
+        """The history once one more failure happened at ``now`` (an in-process restart:
+        the attempt goes on, and its interval must now follow the observed MTBF)."""
+        return FailureHistory(self.failures + 1, self.job_started_at or now)
 
     def mtbf_s(self, now: float) -> float | None:
         if self.failures < 1 or self.job_started_at is None:

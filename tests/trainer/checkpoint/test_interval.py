@@ -221,3 +221,21 @@ def test_no_failures_known_is_no_mtbf(tmp_path: Path) -> None:
     p.step_done(0.1, commit_running=False)
     one_checkpoint(p, clock, 0.01, [0.0])
     assert p.reason == IntervalReason.BUDGET
+
+
+def test_a_failure_survived_in_process_moves_the_interval_to_young(tmp_path: Path) -> None:
+    """Before any failure the budget rules; the attempt's own in-process restart counts at
+    once (MTBF = the time since the job started), without waiting for a next attempt."""
+    clock = Clock()
+    p = policy(tmp_path, clock, FailureHistory(job_started_at=clock.t), every_steps="auto")
+    for _ in range(5):
+        clock.t += 0.1
+        p.step_done(0.1, commit_running=False)
+    one_checkpoint(p, clock, 0.005, [0.0025, 0.0025])  # true cost 10 ms
+    assert p.reason == IntervalReason.BUDGET
+    clock.t = 1080.0
+    p.failures_seen(p.history.after_failure(clock.t))
+    assert p.reason == IntervalReason.YOUNG and p.history == FailureHistory(1, 1000.0)
+    assert p.interval_s == pytest.approx(math.sqrt(2 * 0.010 * 80.0))
+    assert marks(tmp_path)[-1]["failures"] == 1
+    assert FailureHistory().after_failure(5.0) == FailureHistory(1, 5.0)  # no start known
