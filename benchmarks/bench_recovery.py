@@ -26,7 +26,6 @@ Prints a markdown table and writes benchmarks/results/recovery.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import signal
@@ -41,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.save import save_json  # noqa: E402
 from infra import processes  # noqa: E402
 from infra.control import Phase, Progress  # noqa: E402
 from infra.ett import report_for_job  # noqa: E402
@@ -194,21 +194,15 @@ def main() -> int:
         print(
             f"| {kind} | {s if s is not None else '-'} | {c if c is not None else '-'} | {ratio} |"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "benchmark": "recovery",
-                "args": vars(args),
-                "summary": summary,
-                "rows": rows,
-                "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-                "minutes": round((time.time() - started) / 60, 1),
-            },
-            indent=2,
-        )
-    )
+    result = {
+        "benchmark": "recovery",
+        "args": vars(args),
+        "summary": summary,
+        "rows": rows,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "minutes": round((time.time() - started) / 60, 1),
+    }
+    save_json(result, args.out)
     return 0
 
 
