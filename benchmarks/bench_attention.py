@@ -52,6 +52,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.save import save_json  # noqa: E402
 from trainer.attention import jagged_attention  # noqa: E402
 from trainer.attention.cpu import plan_buckets  # noqa: E402
 
@@ -246,10 +247,8 @@ def run_device_only(args, device: str, dtype: torch.dtype, paths) -> None:
     """--gpu-only / --dry-run: the device benchmark alone, its table and its JSON."""
     rows = bench_device(args, device, dtype, paths)
     print_device_table(rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     config = {k: getattr(args, k) for k in (*_WORKLOAD_ARGS, "reps")}
-    args.out.write_text(json.dumps({"config": config, "rows": rows}, indent=2))
-    print(f"\nwrote {args.out}")
+    save_json({"config": config, "rows": rows}, args.out)
 
 
 # ------------------------------------------------------------------ main
@@ -378,7 +377,6 @@ def main(argv=None) -> None:
         f"jagged ideal {elements['ideal']:,}"
     )
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "benchmark": "jagged_attention fwd+bwd",
         "config": {k: getattr(args, k) for k in (*_WORKLOAD_ARGS, "reps")},
@@ -397,8 +395,7 @@ def main(argv=None) -> None:
             "cuda": torch.cuda.is_available(),
         },
     }
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {args.out}")
+    save_json(report, args.out)
 
 
 if __name__ == "__main__":

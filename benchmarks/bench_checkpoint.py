@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import logging
 import os
 import platform
@@ -56,6 +55,7 @@ from torch.distributed._shard.sharded_tensor import (  # noqa: E402
     init_from_local_shards,
 )
 
+from benchmarks.save import save_json  # noqa: E402
 from infra import servers, storage  # noqa: E402
 from infra.ledger import Ledger, read_events  # noqa: E402
 from infra.settings import JobConfig, load_config  # noqa: E402
@@ -370,10 +370,7 @@ def main() -> None:
         "targets": summary,
         "table": md,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    save_json(result, args.out)
 
 
 if __name__ == "__main__":

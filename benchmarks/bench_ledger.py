@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import platform
 import random
@@ -46,6 +45,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 import torch  # noqa: E402
 
+from benchmarks.save import save_json  # noqa: E402
 from infra.ledger import Ledger  # noqa: E402
 from infra.settings import load_config  # noqa: E402
 from trainer.data.synthetic import generate  # noqa: E402
@@ -251,10 +251,7 @@ def main() -> None:
     ]
     print("| metric | value |\n|---|---|")
     print("\n".join(f"| {k} | {v} |" for k, v in rows))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    save_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.save import save_json  # noqa: E402
 from infra.settings import JobConfig, dump_config, load_config  # noqa: E402
 from tasks.attempts import LaunchSpec  # noqa: E402
 
@@ -221,10 +222,7 @@ def main() -> None:
         f"{d['publisher_process_s']} |"
     )
     print(f"\nshutdown saved per job: {saved:.2f} s ({saved * args.nproc:.1f} rank-seconds)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    save_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ Prints a markdown table and writes benchmarks/results/recovery.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import signal
@@ -41,11 +40,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.save import save_json  # noqa: E402
 from infra import processes  # noqa: E402
 from infra.control import Phase, Progress  # noqa: E402
 from infra.ett import report_for_job  # noqa: E402
 from infra.settings import JobConfig, dump_config, load_config  # noqa: E402
 from tasks.attempts import JobRunner, LaunchSpec, RetryPolicy, Timeouts  # noqa: E402
+from tests import procs  # noqa: E402
 
 KINDS = ("crash", "sigkill_rank", "sigkill_attempt", "preemption", "hang")
 MODES = ("standby", "cold")
@@ -72,41 +73,13 @@ def kill_attempt_at(step: int, config_path: str, fired: list[int]):  # noqa: ANN
         if fired or progress.phase != Phase.TRAINING or progress.step < step:
             return
         fired.append(progress.step)
-        agents = [p for p in _agents(config_path) if _attempt_of(p) == "0"]
+        agents = procs.launchers(procs.mentioning("trainer.launch", config_path))
+        agents = [p for p in agents if procs.env_var(p, "ETT_ATTEMPT") == "0"]
         for agent in agents:
             for pid in [agent, *processes.descendants(agent)]:
                 os.kill(pid, signal.SIGKILL)
 
     return on_progress
-
-
-def _agents(config_path: str) -> list[int]:
-    """This job's torchrun agents (forked ranks share their command line: skip children)."""
-    out = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            argv = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        mine = b"trainer.launch" in argv and config_path.encode() in argv
-        if mine and processes.pid_alive(int(proc.name)):
-            out.append(int(proc.name))
-    return [p for p in out if _parent(p) not in out]
-
-
-def _parent(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return 0
-
-
-def _attempt_of(pid: int) -> str | None:
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    return next((e[12:].decode() for e in env if e.startswith(b"ETT_ATTEMPT=")), None)
 
 
 def one(kind: str, mode: str, rep: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -194,21 +167,15 @@ def main() -> int:
         print(
             f"| {kind} | {s if s is not None else '-'} | {c if c is not None else '-'} | {ratio} |"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "benchmark": "recovery",
-                "args": vars(args),
-                "summary": summary,
-                "rows": rows,
-                "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-                "minutes": round((time.time() - started) / 60, 1),
-            },
-            indent=2,
-        )
-    )
+    result = {
+        "benchmark": "recovery",
+        "args": vars(args),
+        "summary": summary,
+        "rows": rows,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "minutes": round((time.time() - started) / 60, 1),
+    }
+    save_json(result, args.out)
     return 0
 
 

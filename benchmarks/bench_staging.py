@@ -28,7 +28,6 @@ checks the script. Writes benchmarks/results/staging.json and prints a markdown 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -44,6 +43,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: E402
 
+from benchmarks.save import save_json  # noqa: E402
 from trainer.checkpoint.staging import SideStreamCopy  # noqa: E402
 
 PARTS = 8
@@ -229,9 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         device, sizes, reps = "cuda", [int(x) for x in args.sizes.split(",")], args.reps
     rows = run(sizes, reps, device)
     print_table(rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"device": device, "rows": rows}, indent=2))
-    print(f"\nwrote {args.out}")
+    save_json({"device": device, "rows": rows}, args.out)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ Prints a markdown table and writes benchmarks/results/startup.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -37,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.save import save_json  # noqa: E402
 from infra.ett import compute_report  # noqa: E402
 from infra.ledger import INIT_SPANS, Event, read_events  # noqa: E402
 from tests.factories import run_trainer, tiny_config, write_dataset  # noqa: E402
@@ -247,10 +247,7 @@ def main() -> int:
         "checks": [{"check": c, "value": v, "target": t, "ok": v <= t} for c, v, t in checks],
         "ratios": ratios,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
-    print(f"wrote {out}")
+    save_json(result, args.out)
     return 0
 
 

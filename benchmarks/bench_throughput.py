@@ -25,7 +25,6 @@ histories (cut at 512, mean 48) and 256-row batches, where per-rank attention wo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -37,6 +36,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.save import save_json  # noqa: E402
 from infra.ett import compute_report  # noqa: E402
 from infra.ledger import read_events  # noqa: E402
 from infra.mfu import cpu_peak, mfu_report  # noqa: E402
@@ -223,13 +223,8 @@ def main() -> None:
             f"| {_pct(s['mfu_job_pct'])} "
             f"| {_pct(s['ett_pct'], 1)} | {_pct(s['ett_x_mfu_pct'])} |"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {"workload": args.workload, "summary": summary, "runs": rows, "loadavg": load},
-            indent=2,
-        )
-    )
+    result = {"workload": args.workload, "summary": summary, "runs": rows, "loadavg": load}
+    save_json(result, args.out)
 
 
 if __name__ == "__main__":

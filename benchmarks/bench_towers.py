@@ -14,7 +14,6 @@ final AUC >= pooling's (mean over seeds).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -25,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.save import save_json  # noqa: E402
 from infra.ledger import read_events  # noqa: E402
 from infra.settings import load_config  # noqa: E402
 from tests.factories import run_trainer  # noqa: E402
@@ -90,14 +90,7 @@ def main() -> None:
         f"{mean['pooling']:.4f} (difference {mean['attention'] - mean['pooling']:+.4f})"
         + (f"; Bayes-optimal {bayes:.4f}" if bayes else "")
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {"runs": runs, "mean_final_auc": mean, "bayes_auc": bayes}, indent=2, default=str
-        )
-        + "\n"
-    )
+    save_json({"runs": runs, "mean_final_auc": mean, "bayes_auc": bayes}, args.out)
 
 
 if __name__ == "__main__":

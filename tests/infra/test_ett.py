@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +46,7 @@ from infra.ett import (
 from infra.ledger import INIT_SPANS, Event, Ledger, ledger_url, read_events
 
 T0 = 1_700_000_000.0  # realistic Unix times: exactness must survive large magnitudes
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _write_job(job_url: str) -> None:
@@ -274,19 +277,22 @@ def test_empty_ledger_is_an_error() -> None:
 
 
 # -- property-style checks ----------------------------------------------------------------
-# The order docs/ett.md and infra/ett.py's docstring give, spelled out here rather than
-# read from ett.PRIORITY, so the reference below cannot follow a change to the code.
-DOCUMENTED_PRIORITY = (
-    "checkpoint_blocking",
-    "eval",
-    "effective_training",
-    "wasted_training",
-    "shutdown",
-    "unknown",
-    "recovery",
-    "startup",
-    "other",
-)
+def _written_priority(text: str) -> tuple[str, ...]:
+    """The bucket order written as ``a > b > c (window) > ...`` in ``text``."""
+    chain = re.search(r"\w+(?:\s*\(\w+\))?(?:\s*>\s*\w+(?:\s*\(\w+\))?)+", text)
+    assert chain is not None, "no bucket order written in the text"
+    return tuple(part.split()[0] for part in chain.group(0).split(">"))
+
+
+# The order docs/ett.md gives, read from the docs rather than from ett.PRIORITY, so the
+# reference below cannot follow a change to the code.
+DOCUMENTED_PRIORITY = _written_priority((ROOT / "docs" / "ett.md").read_text())
+
+
+def test_the_docs_and_the_docstring_give_the_code_s_priority() -> None:
+    assert sorted(DOCUMENTED_PRIORITY) == sorted(ett.BUCKETS)
+    assert _written_priority(ett.__doc__ or "") == DOCUMENTED_PRIORITY
+    assert ett.PRIORITY == DOCUMENTED_PRIORITY
 
 
 def _naive_partition(intervals, t0, t1):

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from infra import processes
 from infra.exit_codes import Outcome
 from infra.ledger import Mark, read_events
 from infra.settings import dump_config
 from tasks.attempts import JobRunner, LaunchSpec, RetryPolicy, Timeouts
+from tests import procs
 from tests.factories import tiny_config, write_dataset
 
 
@@ -25,18 +25,6 @@ class _Collect(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(record.getMessage())
-
-
-def _job_pids(config_path: str) -> list[int]:
-    out = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            mine = config_path.encode() in (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if mine and processes.pid_alive(int(proc.name)):
-            out.append(int(proc.name))
-    return out
 
 
 @pytest.mark.slow
@@ -69,6 +57,6 @@ def test_a_chatty_hang_of_two_ranks_is_killed_whole(tmp_path: Path) -> None:
     # Rank 0 kept printing while it hung: the hang was detected despite the output.
     assert sum("injected hang at step 8: still here" in line for line in lines) >= 5
     deadline = time.monotonic() + 10
-    while _job_pids(str(path)) and time.monotonic() < deadline:
+    while procs.mentioning(str(path)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _job_pids(str(path)) == [], "a rank outlived its attempt"
+    assert procs.mentioning(str(path)) == [], "a rank outlived its attempt"

@@ -29,6 +29,7 @@ from tasks.attempts import (
     Timeouts,
     watch,
 )
+from tests import procs
 from tests.factories import tiny_config
 
 FAKE = str(Path(__file__).resolve().parents[1] / "fake_trainer.py")
@@ -168,16 +169,7 @@ def _run(tmp_path: Path, faults: list[dict], policy: RetryPolicy, standby: bool 
 def _fake_pids(tmp_path: Path) -> list[int]:
     """Live fake trainers of this test (their command line names its config, under
     ``tmp_path``): tests on another pytest-xdist worker run fake trainers of their own."""
-    out = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            cmd = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        mine = FAKE.encode() in cmd and str(tmp_path).encode() in cmd
-        if mine and processes.pid_alive(int(proc.name)):
-            out.append(int(proc.name))
-    return out
+    return procs.mentioning(FAKE, str(tmp_path))
 
 
 def test_standby_is_promoted_after_a_sigkill_and_a_preemption(tmp_path: Path) -> None:

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from infra import processes
 from infra.checkpoints import committed_checkpoints
 from infra.control import Phase, Progress
 from infra.exit_codes import Outcome
 from infra.settings import JobConfig, dump_config
 from tasks.attempts import JobOutcome, JobRunner, LaunchSpec, RetryPolicy, Timeouts
+from tests import procs
 from tests.factories import assert_bit_identical, resume_marks, tiny_config, write_dataset
 
 SECTIONS = {
@@ -28,38 +28,9 @@ KILL_AFTER = 12  # node 1 goes once a step past the step-10 checkpoint has run
 
 
 def _node_agents(config_path: str, node: int, attempt: int) -> list[int]:
-    """The torchrun agent of ``node`` in ``attempt`` (not the standby's). Its ranks are
-    forked, with the same command line: the agent is the one whose parent is not one."""
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-            env = (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        mine = config_path.encode() in argv and f"--node-rank={node}".encode() in argv
-        if mine and f"ETT_ATTEMPT={attempt}".encode() in env:
-            found.append(int(proc.name))
-    return [p for p in found if _parent(p) not in found]
-
-
-def _parent(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return 0
-
-
-def _job_pids(config_path: str) -> list[int]:
-    out = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            mine = config_path.encode() in (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if mine and processes.pid_alive(int(proc.name)):
-            out.append(int(proc.name))
-    return out
+    """The torchrun agent of ``node`` in ``attempt`` (not the standby's)."""
+    agents = procs.launchers(procs.mentioning(config_path, f"--node-rank={node}"))
+    return [p for p in agents if procs.env_var(p, "ETT_ATTEMPT") == str(attempt)]
 
 
 def run_two_nodes(config: JobConfig, tmp_path: Path, kill_node_1: bool) -> JobOutcome:
@@ -87,9 +58,9 @@ def run_two_nodes(config: JobConfig, tmp_path: Path, kill_node_1: bool) -> JobOu
     outcome = runner.run()
     assert killed or not kill_node_1, "node 1 was never killed"
     deadline = time.monotonic() + 10
-    while _job_pids(str(path)) and time.monotonic() < deadline:
+    while procs.mentioning(str(path)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _job_pids(str(path)) == [], "a process of the job outlived it"
+    assert procs.mentioning(str(path)) == [], "a process of the job outlived it"
     return outcome
 
 

@@ -305,15 +305,12 @@ def test_triton_kernels_compile_for_hopper_without_a_gpu() -> None:
         pytest.skip("this process runs triton interpreted")
     types = {
         "Offsets": "*i64",
-        "BlockSeq": "*i32",
-        "BlockStart": "*i32",
+        "Blocks": "*i32",
         "LSE": "*fp32",
         "Delta": "*fp32",
         "qk_scale": "fp32",
         "sm_scale": "fp32",
         "num_seqs": "i32",
-        "stride_t": "i32",
-        "stride_h": "i32",
         "head_dim": "i32",
     }
     constexprs = {"CAUSAL": True, "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_D": 32, "PRECISION": "tf32"}

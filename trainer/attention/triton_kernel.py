@@ -90,6 +90,32 @@ def _query_block(Q, DO, LSE, Delta, q_off, q_mask, row_off, m_ok):
 
 
 @triton.jit
+def _table_entry(Blocks):
+    """The block this program owns: (its sequence, its first row within the sequence)."""
+    entry = Blocks + 2 * tl.program_id(0)
+    return tl.load(entry), tl.load(entry + 1)
+
+
+@triton.jit
+def _sequence(Offsets, seq, head_dim, BLOCK_D: tl.constexpr):
+    """Where sequence ``seq`` starts, its length, and the layout of this program's head in
+    it: the base offset, the row stride (heads are the grid's second axis) and the head-dim
+    offsets and mask that every tile of the program shares."""
+    row0 = tl.load(Offsets + seq)
+    seq_len = (tl.load(Offsets + seq + 1) - row0).to(tl.int32)
+    stride_t = tl.num_programs(1) * head_dim
+    base = row0 * stride_t + tl.program_id(1) * head_dim
+    offs_d = tl.arange(0, BLOCK_D)
+    return row0, seq_len, base, stride_t, offs_d, offs_d < head_dim
+
+
+@triton.jit
+def _row_stats(row0, rows):
+    """Offsets of ``rows``' log-sum-exp and delta, stored [total, heads] (row-major)."""
+    return (row0 + rows) * tl.num_programs(1) + tl.program_id(1)
+
+
+@triton.jit
 def _fwd_kernel(
     Q,
     K,
@@ -97,11 +123,8 @@ def _fwd_kernel(
     Out,
     LSE,
     Offsets,
-    BlockSeq,
-    BlockStart,
+    Blocks,
     num_seqs,
-    stride_t,
-    stride_h,
     head_dim,
     qk_scale,
     CAUSAL: tl.constexpr,
@@ -110,18 +133,11 @@ def _fwd_kernel(
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    head = tl.program_id(1)
-    seq = tl.load(BlockSeq + pid)
-    if seq >= num_seqs:
+    seq, q_start = _table_entry(Blocks)
+    if seq >= num_seqs:  # past the real blocks
         return
-    row0 = tl.load(Offsets + seq)
-    seq_len = (tl.load(Offsets + seq + 1) - row0).to(tl.int32)
-    q_start = tl.load(BlockStart + pid)
+    row0, seq_len, base, stride_t, offs_d, d_ok = _sequence(Offsets, seq, head_dim, BLOCK_D)
     offs_m = q_start + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < head_dim
-    base = row0 * stride_t + head * stride_h
     q, q_off, q_mask = _rows(Q, base, offs_m, seq_len, offs_d, d_ok, stride_t)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -143,8 +159,7 @@ def _fwd_kernel(
 
     acc = acc / l_i[:, None]
     tl.store(Out + q_off, acc.to(Out.dtype.element_ty), mask=q_mask)
-    lse_off = (row0 + offs_m) * (stride_t // stride_h) + head
-    tl.store(LSE + lse_off, m_i + tl.log2(l_i), mask=offs_m < seq_len)
+    tl.store(LSE + _row_stats(row0, offs_m), m_i + tl.log2(l_i), mask=offs_m < seq_len)
 
 
 @triton.jit
@@ -159,11 +174,8 @@ def _bwd_kernel(
     DK,
     DV,
     Offsets,
-    BlockSeq,
-    BlockStart,
+    Blocks,
     num_seqs,
-    stride_t,
-    stride_h,
     head_dim,
     qk_scale,
     sm_scale,
@@ -177,18 +189,10 @@ def _bwd_kernel(
     """KEY_BLOCKS: the program owns a key block and accumulates its dK, dV over the query
     blocks that see it; else it owns a query block and accumulates its dQ over the key
     blocks it sees. Each pass writes only its own block: no atomics."""
-    pid = tl.program_id(0)
-    head = tl.program_id(1)
-    seq = tl.load(BlockSeq + pid)
-    if seq >= num_seqs:
+    seq, start = _table_entry(Blocks)
+    if seq >= num_seqs:  # past the real blocks
         return
-    row0 = tl.load(Offsets + seq)
-    seq_len = (tl.load(Offsets + seq + 1) - row0).to(tl.int32)
-    start = tl.load(BlockStart + pid)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < head_dim
-    heads = stride_t // stride_h
-    base = row0 * stride_t + head * stride_h
+    row0, seq_len, base, stride_t, offs_d, d_ok = _sequence(Offsets, seq, head_dim, BLOCK_D)
     if KEY_BLOCKS:
         cols = start + tl.arange(0, BLOCK_N)
         k, kv_off, kv_mask = _rows(K, base, cols, seq_len, offs_d, d_ok, stride_t)
@@ -202,7 +206,7 @@ def _bwd_kernel(
             rows = m0 + tl.arange(0, BLOCK_M)
             m_ok = rows < seq_len
             q_off, q_mask = _tile(base, rows, seq_len, offs_d, d_ok, stride_t)
-            row_off = (row0 + rows) * heads + head
+            row_off = _row_stats(row0, rows)
             q, do, lse, delta = _query_block(Q, DO, LSE, Delta, q_off, q_mask, row_off, m_ok)
             keep = m_ok[:, None] & _visible(rows, cols, seq_len, CAUSAL)
             p, ds = _grad_terms(q, k, v, do, lse, delta, keep, qk_scale, PRECISION)
@@ -214,7 +218,7 @@ def _bwd_kernel(
         rows = start + tl.arange(0, BLOCK_M)
         m_ok = rows < seq_len
         q_off, q_mask = _tile(base, rows, seq_len, offs_d, d_ok, stride_t)
-        row_off = (row0 + rows) * heads + head
+        row_off = _row_stats(row0, rows)
         q, do, lse, delta = _query_block(Q, DO, LSE, Delta, q_off, q_mask, row_off, m_ok)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for n0 in range(0, _keys_seen(start, seq_len, BLOCK_M, CAUSAL), BLOCK_N):
@@ -227,11 +231,10 @@ def _bwd_kernel(
         tl.store(DQ + q_off, (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
 
 
-def block_table(offsets: torch.Tensor, total: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence id, first row within the sequence) of every BLOCK-row block; sync-free.
-
-    Entries past the real blocks have sequence id == batch (the kernels skip them).
-    """
+def block_table(offsets: torch.Tensor, total: int, block: int) -> torch.Tensor:
+    """[entries, 2] int32: (sequence id, first row within the sequence) of every BLOCK-row
+    block; sync-free. Entries past the real blocks have sequence id == batch (the kernels
+    skip them)."""
     batch = offsets.numel() - 1
     lengths = offsets[1:] - offsets[:-1]
     blocks = (lengths + block - 1) // block
@@ -239,7 +242,7 @@ def block_table(offsets: torch.Tensor, total: int, block: int) -> tuple[torch.Te
     pid = torch.arange(triton.cdiv(total, block) + batch, device=offsets.device)
     seq = torch.searchsorted(ends, pid, right=True)
     first = (ends - blocks)[seq.clamp(max=batch - 1)]
-    return seq.to(torch.int32), ((pid - first) * block).to(torch.int32)
+    return torch.stack((seq, (pid - first) * block), dim=1).to(torch.int32)
 
 
 def _default_blocks(dim: int) -> tuple[int, int]:
@@ -256,8 +259,6 @@ class _JaggedFlashAttention(torch.autograd.Function):
         lse = torch.empty(total, heads, dtype=torch.float32, device=q.device)
         ctx.cfg = dict(
             num_seqs=offsets.numel() - 1,
-            stride_t=heads * dim,
-            stride_h=dim,
             head_dim=dim,
             CAUSAL=causal,
             BLOCK_M=block_m,
@@ -266,39 +267,34 @@ class _JaggedFlashAttention(torch.autograd.Function):
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )
         ctx.sm_scale = 1.0 / math.sqrt(dim)
-        seq_m, start_m = block_table(offsets, total, block_m)
-        _fwd_kernel[(seq_m.numel(), heads)](
+        blocks_m = block_table(offsets, total, block_m)
+        _fwd_kernel[(len(blocks_m), heads)](
             q,
             k,
             v,
             o,
             lse,
             offsets,
-            seq_m,
-            start_m,
+            blocks_m,
             qk_scale=ctx.sm_scale * LOG2E,
             num_warps=4,
             **ctx.cfg,
         )
-        ctx.save_for_backward(q, k, v, o, lse, offsets, seq_m, start_m)
+        ctx.save_for_backward(q, k, v, o, lse, offsets, blocks_m)
         return o
 
     @staticmethod
     def backward(ctx, do):  # noqa: D102
-        q, k, v, o, lse, offsets, seq_m, start_m = ctx.saved_tensors
+        q, k, v, o, lse, offsets, blocks_m = ctx.saved_tensors
         do = do.contiguous()
         delta = (do.float() * o.float()).sum(-1)  # [total, heads]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         heads = q.shape[1]
         scales = dict(qk_scale=ctx.sm_scale * LOG2E, sm_scale=ctx.sm_scale, num_warps=4)
-        seq_n, start_n = block_table(offsets, q.shape[0], ctx.cfg["BLOCK_N"])
+        blocks_n = block_table(offsets, q.shape[0], ctx.cfg["BLOCK_N"])
         grads = (q, k, v, do, lse, delta, dq, dk, dv, offsets)
-        _bwd_kernel[(seq_n.numel(), heads)](
-            *grads, seq_n, start_n, KEY_BLOCKS=True, **scales, **ctx.cfg
-        )
-        _bwd_kernel[(seq_m.numel(), heads)](
-            *grads, seq_m, start_m, KEY_BLOCKS=False, **scales, **ctx.cfg
-        )
+        _bwd_kernel[(len(blocks_n), heads)](*grads, blocks_n, KEY_BLOCKS=True, **scales, **ctx.cfg)
+        _bwd_kernel[(len(blocks_m), heads)](*grads, blocks_m, KEY_BLOCKS=False, **scales, **ctx.cfg)
         return dq, dk, dv, None, None, None, None
 
 

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from infra.settings import DataConfig
-from trainer.data.rows import Rows
+from trainer.data.rows import Histories, Rows
 
 
 class DataError(ValueError):
@@ -139,7 +139,6 @@ def decode(table: pa.Table, data: DataConfig, url: str) -> tuple[Rows, dict[str,
         "item out of range": (item < 0) | (item >= data.item_vocab_size),
         "history id out of range": bad_hist,
     }
-    rows = Rows(
-        label.astype(np.float32), dense, cat, item, offsets, values, np.zeros(n, dtype=np.int64)
-    )
+    history = Histories(offsets, values)
+    rows = Rows(label.astype(np.float32), dense, cat, item, history, np.zeros(n, dtype=np.int64))
     return rows, checks

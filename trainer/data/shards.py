@@ -28,7 +28,7 @@ from infra import storage
 from infra.settings import DataConfig
 from trainer.data import criteo
 from trainer.data.decode import DataError, bad_label, decode
-from trainer.data.rows import Rows
+from trainer.data.rows import Histories, Rows
 
 log = logging.getLogger(__name__)
 
@@ -235,13 +235,7 @@ class ShardReader:
             m = parsed.label.size
             zeros = np.zeros(m, dtype=np.int64)
             rows = Rows(
-                parsed.label,
-                parsed.dense,
-                parsed.cat,
-                zeros,
-                np.zeros(m + 1, np.int64),
-                np.zeros(0, np.int64),
-                zeros.copy(),
+                parsed.label, parsed.dense, parsed.cat, zeros, Histories.empty(m), zeros.copy()
             )
             checks = {"label not 0/1": bad_label(rows.label)}
             where = sel[parsed.index] + base + 1

@@ -1,0 +1,19 @@
+"""Where a benchmark's numbers go: one JSON file per benchmark under benchmarks/results/, which
+run_all.py and the docs read. One writer, so every result file is written the same way."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+def save_json(result: Mapping[str, Any], out: str | Path) -> Path:
+    """Write ``result`` to ``out`` as indented JSON (its folder created; values JSON does not
+    know, such as paths, as their str), and say where."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"\nwrote {out}")
+    return out

@@ -1,0 +1,47 @@
+"""Finding a job's processes from outside, as an operator with ``ps`` would: by what their
+command lines and environments say (Linux /proc), never by asking the code under test. For
+the tests and benchmarks that kill a job's processes or check that none is left."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from infra import processes
+
+
+def mentioning(*needles: str) -> list[int]:
+    """Live (non-zombie) processes whose command line contains every one of ``needles``."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        mine = all(needle.encode() in cmdline for needle in needles)
+        if mine and processes.pid_alive(int(proc.name)):
+            found.append(int(proc.name))
+    return found
+
+
+def parent(pid: int) -> int:
+    """The parent of ``pid``; 0 once ``pid`` is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return 0
+
+
+def launchers(pids: list[int]) -> list[int]:
+    """Those of ``pids`` whose parent is not among them. Forked ranks keep their torchrun
+    agent's command line, so of a job's processes these are the agents."""
+    return [p for p in pids if parent(p) not in pids]
+
+
+def env_var(pid: int, name: str) -> str | None:
+    """``name`` in the environment ``pid`` started with; None if unset or ``pid`` is gone."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    prefix = f"{name}=".encode()
+    return next((e[len(prefix) :].decode() for e in env if e.startswith(prefix)), None)
