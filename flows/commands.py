@@ -107,6 +107,16 @@ def _job_url(args: argparse.Namespace, config: JobConfig) -> str:
     raise UserError(f"no ledger for job {args.job!r} at {job_url}{hint}")
 
 
+def _config_at(config: JobConfig, job_url: str) -> JobConfig:
+    """``config`` for the job whose folder is ``job_url`` (``<root>/jobs/<job id>``), so
+    what is logged names the ledger that was read; UserError for a URL of another shape."""
+    root, sep, job_id = job_url.rstrip("/").rpartition("/jobs/")
+    if not sep or not job_id or "/" in job_id:
+        raise UserError(f"--log needs a job folder <storage root>/jobs/<job id>, not {job_url}")
+    storage = config.storage.model_copy(update={"root": root})
+    return config.model_copy(update={"job_id": job_id, "storage": storage})
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from infra import tables
     from infra.ett import report_for_job
@@ -125,10 +135,10 @@ def cmd_report(args: argparse.Namespace) -> int:
         from infra import tracking
         from infra.run_metadata import redact_url
 
-        job = config.model_copy(update={"job_id": job_url.rstrip("/").rsplit("/", 1)[-1]})
+        job = _config_at(config, job_url)
         where = redact_url(config.tracking.mlflow_uri)
         try:
-            run_id, _ = tracking.log_job(job, job_url=job_url)
+            run_id, _ = tracking.log_job(job)
         except MlflowException as exc:
             print(
                 f"error: could not log {job.job_id} to MLflow at {where}: {exc.message}",

@@ -317,15 +317,13 @@ def log_job(
     config: JobConfig,
     run_id: str | None = None,
     *,
-    job_url: str | None = None,
     succeeded: bool | None = None,
     extra_metrics: Mapping[str, float] | None = None,
 ) -> tuple[str, dict[str, float]]:
     """Log a job whole from its ledger: its run (``run_id``, else found or created), every
     attempt not logged yet, the ETT report, the curves and the artifacts. Returns the run id
     and the scalar metrics. This is how a job that ran while MLflow was down gets logged."""
-    uri = config.tracking.mlflow_uri
-    job_url = job_url or config.job_url
+    uri, job_url = config.tracking.mlflow_uri, config.job_url
     events = read_events(job_url)
     report = compute_report(events)
     run_id = run_id or start_job_run(config)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -225,6 +226,37 @@ def test_fleet(trained: Trained, request: pytest.FixtureRequest) -> None:
     assert "1 job(s) reported" in proc.stdout and "tiny" in proc.stdout
     assert (out / "ett_trend.png").read_bytes()[:4] == b"\x89PNG"
     user_error(ett("fleet", "--config", "nope.yaml", cwd=trained.tmp), "nope.yaml")
+
+
+def test_report_log_by_url_names_the_ledger_it_read(
+    trained: Trained, request: pytest.FixtureRequest
+) -> None:
+    """``ett report URL --log`` with a config whose storage root is elsewhere: the MLflow run
+    is the job's at that URL (its id, its URL), not one under the config's root."""
+    store = sqlite_store(request, trained.tmp / "mlflow-log")
+    elsewhere = trained.config.model_copy(
+        update={
+            "storage": trained.config.storage.model_copy(
+                update={"root": f"file://{trained.tmp}/elsewhere"}
+            ),
+            "tracking": trained.config.tracking.model_copy(update={"mlflow_uri": store}),
+        }
+    )
+    path = write(elsewhere, trained.tmp / "elsewhere.yaml")
+    url = trained.config.job_url
+    proc = ett("report", url, "--config", path, "--log", cwd=trained.tmp)
+    assert proc.returncode == 0, proc.stderr
+    assert "logged tiny to MLflow run" in proc.stdout
+    ml = tracking.client(store)
+    experiment = ml.get_experiment_by_name(elsewhere.tracking.experiment)
+    [run] = ml.search_runs([experiment.experiment_id], "attributes.run_name = 'tiny'")
+    assert run.data.tags[tracking.JOB_URL_TAG] == url
+    # A ledger outside a jobs/ folder is reported, but a run needs the job's id and root.
+    flat = f"file://{trained.tmp}/flat"
+    shutil.copytree(
+        trained.tmp / "store" / "jobs" / "tiny" / "ledger", trained.tmp / "flat" / "ledger"
+    )
+    user_error(ett("report", flat, "--config", path, "--log", cwd=trained.tmp), "jobs/<job id>")
 
 
 def test_demo_against_a_server_that_is_down(tmp_path: Path) -> None:
