@@ -15,7 +15,9 @@ everything that makes compiled code reusable: torch/triton/python versions, devi
 ISA or GPU name + capability), the model-shape hash (``JobConfig.model_hash()``) and the
 compile options. The manifest also keeps the result of inductor's C++ vector-ISA check (a
 compile and a dlopen in a fresh interpreter per ISA, seconds on a small host): a process that
-loads the cache reuses it instead of probing again (trainer/compiled.py ``settle_vec_isa``).
+loads the cache reuses it instead of probing again (trainer/compiled.py ``settle_vec_isa``);
+and Inductor's hashes of torch's and Triton's source files, which a process of the same torch
+build sets instead of reading and hashing both packages again (``source_keys``).
 Loading happens before anything compiles; a missing, mismatched or corrupt
 cache is skipped with a warning and never fails the job. Saving runs on a background thread.
 """
@@ -70,11 +72,40 @@ def key_parts(config: JobConfig, device: torch.device, options: dict[str, Any]) 
         "format": CACHE_FORMAT,
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
         "torch": torch.__version__,
+        "torch_build": torch.version.git_version,  # the exact sources: see source_keys
         "triton": _version("triton") if device.type == "cuda" else None,
         "device": device_kind(device),
         "model": config.model_hash(),
         "compile": options,
     }
+
+
+def source_keys() -> dict[str, str | None]:
+    """Inductor's hashes of torch's and Triton's own source files, which go into every
+    compile-cache key it computes. Each process computes them by reading and hashing every
+    source file of both packages, about a second of a warm start's compile on a small host.
+    The process that saves the cache writes them to its manifest; one that loads a cache made
+    by the same torch build (``torch_build`` in the key) sets them instead (``preset``)."""
+    from torch._inductor.codecache import torch_key, triton_key
+
+    return {"torch": torch_key().hex(), "triton": triton_key()}
+
+
+def preset_source_keys(saved: Any) -> bool:
+    """Set Inductor's source hashes from a manifest's ``source_keys``; False when there are
+    none, they are malformed, or this process computed its own already."""
+    from torch._inductor.codecache import torch_key, triton_key
+
+    try:
+        torch_hash = bytes.fromhex(saved["torch"])
+        triton_hash = saved["triton"]
+        if triton_hash is not None and not isinstance(triton_hash, str):
+            return False
+        torch_key.set(torch_hash)  # prefetchable_cache: RuntimeError once computed
+        triton_key.set(triton_hash)
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError):
+        return False
+    return True
 
 
 def cache_key(parts: dict[str, Any]) -> str:
@@ -140,6 +171,7 @@ class CacheResult:
     detail: str = ""
     info: dict[str, Any] = field(default_factory=dict)
     vec_isa_ok: bool | None = None  # the C++ vector-ISA check of the process that saved it
+    source_keys_reused: bool = False  # Inductor's source hashes set from the manifest
 
     def attrs(self, prefix: str) -> dict[str, Any]:
         out = {
@@ -147,6 +179,8 @@ class CacheResult:
             f"{prefix}_s": round(self.seconds, 4),
             f"{prefix}_bytes": self.bytes,
         }
+        if self.source_keys_reused:
+            out[f"{prefix}_source_keys_reused"] = True
         if self.detail:
             out[f"{prefix}_detail"] = self.detail[:300]
         return out
@@ -223,10 +257,17 @@ class CompileCache:
                 tar.extractall(self.local_dir, filter="data")
             with open(local["megacache"], "rb") as fh:
                 blob = fh.read()
+            reused = preset_source_keys(manifest.get("source_keys"))
             info = torch.compiler.load_cache_artifacts(blob) if blob else None
             size = sum(int(e["size"]) for e in files.values())
         loaded = {} if info is None else {k: len(v) for k, v in info.artifacts.items()}
-        return CacheResult("hit", bytes=size, info=loaded, vec_isa_ok=manifest.get("vec_isa_ok"))
+        return CacheResult(
+            "hit",
+            bytes=size,
+            info=loaded,
+            vec_isa_ok=manifest.get("vec_isa_ok"),
+            source_keys_reused=reused,
+        )
 
     # -- save -------------------------------------------------------------------------------
     def save(self) -> CacheResult:
@@ -279,6 +320,7 @@ class CompileCache:
             "files": files,
             "inductor_files": count,
             "vec_isa_ok": self.vec_isa_ok,
+            "source_keys": source_keys(),
         }
         storage.write_text(storage.join(self.url, MANIFEST), json.dumps(manifest, indent=2))
         self._prune({f["name"] for f in files.values()})

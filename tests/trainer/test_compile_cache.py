@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -14,7 +17,7 @@ import torch
 from infra import storage
 from infra.exit_codes import ExitCode
 from infra.ledger import read_events
-from tests.factories import run_trainer, tiny_config, write_dataset
+from tests.factories import ROOT, run_trainer, tiny_config, write_dataset
 from trainer import compile_cache, compiled
 from trainer.compile_cache import MANIFEST, CompileCache, cache_key, key_parts
 
@@ -52,6 +55,51 @@ def test_round_trip_restores_the_dir_and_writes_the_manifest_last(tmp_path):
 
     assert saver.save().status == "saved"  # a second save replaces, and prunes, the blobs
     assert len(storage.listdir(saver.url)) == 3
+
+
+LOAD_AND_SHOW_SOURCE_KEYS = """
+import json, sys
+from torch._inductor.codecache import torch_key
+from trainer.compile_cache import CompileCache
+result = CompileCache(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]).load()
+print(json.dumps([result.status, result.source_keys_reused, torch_key().hex()]))
+"""
+
+
+def test_a_loading_process_takes_inductors_source_hashes_from_the_manifest(tmp_path):
+    """The saver writes Inductor's hashes of torch's and Triton's sources; a fresh process
+    loading the cache sets them (here, a stand-in value it could never compute) instead of
+    hashing both packages again. A manifest without them: the process computes its own."""
+    root = f"file://{tmp_path}/cache"
+    saver = CompileCache(root, PARTS, str(fake_local_dir(tmp_path / "a")))
+    assert saver.save().status == "saved"
+    manifest_url = storage.join(saver.url, MANIFEST)
+    manifest = json.loads(storage.read_text(manifest_url))
+    assert manifest["source_keys"] == compile_cache.source_keys()
+
+    def load_in_a_fresh_process(into: str) -> list:
+        (tmp_path / into).mkdir()
+        args = [root, json.dumps(PARTS), str(tmp_path / into)]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        proc = subprocess.run(
+            [sys.executable, "-c", LOAD_AND_SHOW_SOURCE_KEYS, *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    stand_in = "ab" * 32
+    manifest["source_keys"]["torch"] = stand_in
+    storage.write_text(manifest_url, json.dumps(manifest))
+    assert load_in_a_fresh_process("b") == ["hit", True, stand_in]
+
+    del manifest["source_keys"]
+    storage.write_text(manifest_url, json.dumps(manifest))
+    status, reused, computed = load_in_a_fresh_process("c")
+    assert (status, reused) == ("hit", False) and computed == compile_cache.source_keys()["torch"]
 
 
 def test_missing_cache_is_a_miss(tmp_path):
