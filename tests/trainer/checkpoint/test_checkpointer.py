@@ -8,6 +8,7 @@ even though the loop changes the weights as soon as ``save`` (sync, async) or
 from __future__ import annotations
 
 import os
+import re
 import threading
 import urllib.parse
 import uuid
@@ -138,7 +139,8 @@ def test_async_staged_writes_nothing_until_the_copy_is_released(
         inflight = ckpt._inflight
         assert inflight is not None and not inflight.thread.is_alive()
         assert not any(step_dir_name(1) in root for root, _, _ in os.walk(step_dir))
-        ckpt.wait_until_staged()
+        assert ckpt.wait_until_staged()  # the loop times this wait as staging
+        assert not ckpt.wait_until_staged()  # released: nothing left to wait for
         ckpt.wait_for_inflight()
     finally:
         ckpt.close()
@@ -204,6 +206,29 @@ def test_a_committed_step_is_not_written_again(tmp_path, group: dist.ProcessGrou
     after = {n: os.stat(os.path.join(folder, n)).st_mtime_ns for n in os.listdir(folder)}
     assert after == before
     assert committed_checkpoints(config.job_url)[0].manifest == first.manifest
+
+
+@pytest.mark.parametrize(("eval_mode", "kept"), [("async", [5, 4, 2]), ("inline", [5])])
+def test_with_a_side_evaluator_retention_keeps_the_eval_step_checkpoints(
+    tmp_path, group: dist.ProcessGroup, eval_mode: str, kept: list[int]
+) -> None:
+    """``train.eval: async`` evaluates committed checkpoints at eval steps later, on the
+    side: each commit's retention keeps them beyond the latest k. Inline eval needs none."""
+    config = load_config(
+        job_id=f"eval-{eval_mode}",
+        storage={"root": f"file://{tmp_path}/store"},
+        checkpoint={"mode": "sync", "every_steps": 1, "keep_latest_k": 1},
+        train={"eval": eval_mode, "eval_every": 2},
+    )
+    ckpt, ledger = _checkpointer(tmp_path, config, group)
+    _register(ckpt, _state(group, 1.0))
+    try:
+        for step in range(1, 6):
+            ckpt.save(step)
+    finally:
+        ckpt.close()
+        ledger.close()
+    assert [c.step for c in committed_checkpoints(config.job_url)] == kept
 
 
 def test_markers_of_an_earlier_try_never_complete_a_new_commit(
@@ -442,3 +467,36 @@ def test_on_s3_a_failed_upload_leaves_its_step_uncommitted(
     step2 = storage.join(checkpoints_url(config.job_url), step_dir_name(2))
     assert not storage.exists(storage.join(step2, MANIFEST))
     assert [step for step, _ in _failed_marks(tmp_path)] == [2]
+
+
+def test_on_s3_a_step_whose_commit_cannot_be_checked_is_not_written(
+    tmp_path, group: dist.ProcessGroup, s3_proxy: RequestCutter
+) -> None:
+    """Before writing, the save asks whether its step is committed already; when storage
+    will not say (the request is reset, no retries), that checkpoint fails, training goes
+    on, and nothing of the step is written."""
+    config = load_config(
+        job_id="s3-refuse-unknown",
+        storage={
+            "root": f"s3://ett/{uuid.uuid4().hex[:12]}",
+            "s3_endpoint_url": s3_proxy.url,
+            "retries": 0,
+        },
+        checkpoint={"mode": "sync", "every_steps": 1, "keep_latest_k": 2},
+    )
+    ckpt, ledger = _checkpointer(tmp_path, config, group)
+    _register(ckpt, _state(group, 1.0))
+    try:
+        ckpt.save(1)
+        cut = s3_proxy.cut("HEAD", re.escape(f"/{step_dir_name(2)}/{MANIFEST}"))
+        ckpt.save(2)  # does not raise
+        s3_proxy.clear()
+    finally:
+        ckpt.close()
+        ledger.close()
+    assert cut.count > 0 and ckpt.failed_steps == [2]
+    assert [c.step for c in committed_checkpoints(config.job_url)] == [1]
+    [(step, error)] = _failed_marks(tmp_path)
+    assert step == 2 and "cannot tell whether step 2 is committed already" in error
+    step2 = storage.join(checkpoints_url(config.job_url), step_dir_name(2))
+    assert not [n for n in storage.listdir(step2) if not n.startswith("_failed.")]
