@@ -34,8 +34,10 @@ from tests.reliability.cutting_proxy import RequestCutter
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.manifest import (
     MANIFEST,
+    Manifest,
     checkpoints_url,
     committed_checkpoints,
+    failed_marker,
     step_dir_name,
     verify_files,
 )
@@ -420,6 +422,52 @@ def test_emergency_save_with_checkpoints_off_writes_nothing(
         ckpt.close()
         ledger.close()
     assert not storage.exists(checkpoints_url(config.job_url))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rank0", ["commits", "fails"])
+def test_emergency_save_on_another_rank_answers_what_rank_0_did(
+    tmp_path, group: dist.ProcessGroup, rank0: str
+) -> None:
+    """Rank 1 of a 2-rank save, with rank 0 played by a thread: rank 1 cannot commit, so
+    its emergency save waits for rank 0's manifest of this save (True) or rank 0's failure
+    marker (False), whichever rank 0 writes once rank 1's done-marker is there."""
+    import time
+
+    config = _config(tmp_path, "sync")
+    url = storage.join(checkpoints_url(config.job_url), step_dir_name(1))
+    stop = threading.Event()
+
+    def rank_0() -> None:
+        folder = storage.local_path(url) or ""
+        while not stop.is_set():
+            names = os.listdir(folder) if os.path.isdir(folder) else []
+            done = [n for n in names if n.startswith("_done.rank001.") and n.endswith(".json")]
+            if done:
+                nonce = done[0][len("_done.rank001.") : -len(".json")]
+                if rank0 == "fails":
+                    storage.write_text(storage.join(url, failed_marker(0, nonce)), "{}")
+                else:
+                    manifest = Manifest(1, 2, config.model_hash(), {}, nonce=nonce)
+                    storage.write_text(storage.join(url, MANIFEST), manifest.to_json())
+                return
+            time.sleep(0.01)
+
+    storage.configure(config.storage)
+    ledger = Ledger(f"file://{tmp_path}/ledger")
+    ckpt = Checkpointer(config, rank=1, world_size=2, ledger=ledger)
+    helper = threading.Thread(target=rank_0)
+    helper.start()
+    try:
+        _register(ckpt, _state(group, 1.0))
+        saved = ckpt.emergency_save(1, budget_s=60)
+    finally:
+        stop.set()
+        helper.join()
+        ckpt.close()
+        ledger.close()
+    assert saved == (rank0 == "commits")
+    assert ckpt.failed_steps == []  # rank 1's own part of the save went through
 
 
 # -- manifest last, on a real S3 endpoint -------------------------------------------------
