@@ -548,3 +548,54 @@ def test_on_s3_a_step_whose_commit_cannot_be_checked_is_not_written(
     assert step == 2 and "cannot tell whether step 2 is committed already" in error
     step2 = storage.join(checkpoints_url(config.job_url), step_dir_name(2))
     assert not [n for n in storage.listdir(step2) if not n.startswith("_failed.")]
+
+
+@pytest.mark.timeout(120)
+def test_on_s3_an_emergency_save_on_rank_1_outlasts_a_failing_look_at_its_commit(
+    tmp_path, group: dist.ProcessGroup, s3_proxy: RequestCutter
+) -> None:
+    """Rank 1 waits for rank 0's manifest by looking at S3; a look that fails (reset, no
+    retries) is logged and tried again, and the save is confirmed once the manifest is
+    there. Rank 0 is played by a thread that commits only after a look has failed."""
+    import time
+
+    config = load_config(
+        job_id="s3-confirm",
+        storage={
+            "root": f"s3://ett/{uuid.uuid4().hex[:12]}",
+            "s3_endpoint_url": s3_proxy.url,
+            "retries": 0,
+        },
+        checkpoint={"mode": "sync", "every_steps": 1, "keep_latest_k": 2},
+    )
+    url = storage.join(checkpoints_url(config.job_url), step_dir_name(1))
+    # The save's own check that step 1 is not committed goes through; the looks after fail.
+    cut = s3_proxy.cut("HEAD", re.escape(f"/{step_dir_name(1)}/{MANIFEST}"), after=1)
+    stop = threading.Event()
+
+    def rank_0() -> None:
+        while not stop.is_set():
+            done = [n for n in storage.listdir(url) if n.startswith("_done.rank001.")]
+            if done and cut.count > 0:
+                s3_proxy.clear()
+                nonce = done[0][len("_done.rank001.") : -len(".json")]
+                manifest = Manifest(1, 2, config.model_hash(), {}, nonce=nonce)
+                storage.write_text(storage.join(url, MANIFEST), manifest.to_json())
+                return
+            time.sleep(0.02)
+
+    storage.configure(config.storage)
+    ledger = Ledger(f"file://{tmp_path}/ledger")
+    ckpt = Checkpointer(config, rank=1, world_size=2, ledger=ledger)
+    helper = threading.Thread(target=rank_0)
+    helper.start()
+    try:
+        _register(ckpt, _state(group, 1.0))
+        saved = ckpt.emergency_save(1, budget_s=60)
+    finally:
+        stop.set()
+        helper.join()
+        ckpt.close()
+        ledger.close()
+    assert cut.count > 0 and saved
+    assert ckpt.failed_steps == []
