@@ -8,6 +8,7 @@ even though the loop changes the weights as soon as ``save`` (sync, async) or
 from __future__ import annotations
 
 import os
+import re
 import threading
 import urllib.parse
 import uuid
@@ -33,8 +34,10 @@ from tests.reliability.cutting_proxy import RequestCutter
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.manifest import (
     MANIFEST,
+    Manifest,
     checkpoints_url,
     committed_checkpoints,
+    failed_marker,
     step_dir_name,
     verify_files,
 )
@@ -138,7 +141,8 @@ def test_async_staged_writes_nothing_until_the_copy_is_released(
         inflight = ckpt._inflight
         assert inflight is not None and not inflight.thread.is_alive()
         assert not any(step_dir_name(1) in root for root, _, _ in os.walk(step_dir))
-        ckpt.wait_until_staged()
+        assert ckpt.wait_until_staged()  # the loop times this wait as staging
+        assert not ckpt.wait_until_staged()  # released: nothing left to wait for
         ckpt.wait_for_inflight()
     finally:
         ckpt.close()
@@ -204,6 +208,29 @@ def test_a_committed_step_is_not_written_again(tmp_path, group: dist.ProcessGrou
     after = {n: os.stat(os.path.join(folder, n)).st_mtime_ns for n in os.listdir(folder)}
     assert after == before
     assert committed_checkpoints(config.job_url)[0].manifest == first.manifest
+
+
+@pytest.mark.parametrize(("eval_mode", "kept"), [("async", [5, 4, 2]), ("inline", [5])])
+def test_with_a_side_evaluator_retention_keeps_the_eval_step_checkpoints(
+    tmp_path, group: dist.ProcessGroup, eval_mode: str, kept: list[int]
+) -> None:
+    """``train.eval: async`` evaluates committed checkpoints at eval steps later, on the
+    side: each commit's retention keeps them beyond the latest k. Inline eval needs none."""
+    config = load_config(
+        job_id=f"eval-{eval_mode}",
+        storage={"root": f"file://{tmp_path}/store"},
+        checkpoint={"mode": "sync", "every_steps": 1, "keep_latest_k": 1},
+        train={"eval": eval_mode, "eval_every": 2},
+    )
+    ckpt, ledger = _checkpointer(tmp_path, config, group)
+    _register(ckpt, _state(group, 1.0))
+    try:
+        for step in range(1, 6):
+            ckpt.save(step)
+    finally:
+        ckpt.close()
+        ledger.close()
+    assert [c.step for c in committed_checkpoints(config.job_url)] == kept
 
 
 def test_markers_of_an_earlier_try_never_complete_a_new_commit(
@@ -397,6 +424,52 @@ def test_emergency_save_with_checkpoints_off_writes_nothing(
     assert not storage.exists(checkpoints_url(config.job_url))
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rank0", ["commits", "fails"])
+def test_emergency_save_on_another_rank_answers_what_rank_0_did(
+    tmp_path, group: dist.ProcessGroup, rank0: str
+) -> None:
+    """Rank 1 of a 2-rank save, with rank 0 played by a thread: rank 1 cannot commit, so
+    its emergency save waits for rank 0's manifest of this save (True) or rank 0's failure
+    marker (False), whichever rank 0 writes once rank 1's done-marker is there."""
+    import time
+
+    config = _config(tmp_path, "sync")
+    url = storage.join(checkpoints_url(config.job_url), step_dir_name(1))
+    stop = threading.Event()
+
+    def rank_0() -> None:
+        folder = storage.local_path(url) or ""
+        while not stop.is_set():
+            names = os.listdir(folder) if os.path.isdir(folder) else []
+            done = [n for n in names if n.startswith("_done.rank001.") and n.endswith(".json")]
+            if done:
+                nonce = done[0][len("_done.rank001.") : -len(".json")]
+                if rank0 == "fails":
+                    storage.write_text(storage.join(url, failed_marker(0, nonce)), "{}")
+                else:
+                    manifest = Manifest(1, 2, config.model_hash(), {}, nonce=nonce)
+                    storage.write_text(storage.join(url, MANIFEST), manifest.to_json())
+                return
+            time.sleep(0.01)
+
+    storage.configure(config.storage)
+    ledger = Ledger(f"file://{tmp_path}/ledger")
+    ckpt = Checkpointer(config, rank=1, world_size=2, ledger=ledger)
+    helper = threading.Thread(target=rank_0)
+    helper.start()
+    try:
+        _register(ckpt, _state(group, 1.0))
+        saved = ckpt.emergency_save(1, budget_s=60)
+    finally:
+        stop.set()
+        helper.join()
+        ckpt.close()
+        ledger.close()
+    assert saved == (rank0 == "commits")
+    assert ckpt.failed_steps == []  # rank 1's own part of the save went through
+
+
 # -- manifest last, on a real S3 endpoint -------------------------------------------------
 @pytest.fixture
 def s3_proxy(s3_server: str) -> Iterator[RequestCutter]:
@@ -442,3 +515,87 @@ def test_on_s3_a_failed_upload_leaves_its_step_uncommitted(
     step2 = storage.join(checkpoints_url(config.job_url), step_dir_name(2))
     assert not storage.exists(storage.join(step2, MANIFEST))
     assert [step for step, _ in _failed_marks(tmp_path)] == [2]
+
+
+def test_on_s3_a_step_whose_commit_cannot_be_checked_is_not_written(
+    tmp_path, group: dist.ProcessGroup, s3_proxy: RequestCutter
+) -> None:
+    """Before writing, the save asks whether its step is committed already; when storage
+    will not say (the request is reset, no retries), that checkpoint fails, training goes
+    on, and nothing of the step is written."""
+    config = load_config(
+        job_id="s3-refuse-unknown",
+        storage={
+            "root": f"s3://ett/{uuid.uuid4().hex[:12]}",
+            "s3_endpoint_url": s3_proxy.url,
+            "retries": 0,
+        },
+        checkpoint={"mode": "sync", "every_steps": 1, "keep_latest_k": 2},
+    )
+    ckpt, ledger = _checkpointer(tmp_path, config, group)
+    _register(ckpt, _state(group, 1.0))
+    try:
+        ckpt.save(1)
+        cut = s3_proxy.cut("HEAD", re.escape(f"/{step_dir_name(2)}/{MANIFEST}"))
+        ckpt.save(2)  # does not raise
+        s3_proxy.clear()
+    finally:
+        ckpt.close()
+        ledger.close()
+    assert cut.count > 0 and ckpt.failed_steps == [2]
+    assert [c.step for c in committed_checkpoints(config.job_url)] == [1]
+    [(step, error)] = _failed_marks(tmp_path)
+    assert step == 2 and "cannot tell whether step 2 is committed already" in error
+    step2 = storage.join(checkpoints_url(config.job_url), step_dir_name(2))
+    assert not [n for n in storage.listdir(step2) if not n.startswith("_failed.")]
+
+
+@pytest.mark.timeout(120)
+def test_on_s3_an_emergency_save_on_rank_1_outlasts_a_failing_look_at_its_commit(
+    tmp_path, group: dist.ProcessGroup, s3_proxy: RequestCutter
+) -> None:
+    """Rank 1 waits for rank 0's manifest by looking at S3; a look that fails (reset, no
+    retries) is logged and tried again, and the save is confirmed once the manifest is
+    there. Rank 0 is played by a thread that commits only after a look has failed."""
+    import time
+
+    config = load_config(
+        job_id="s3-confirm",
+        storage={
+            "root": f"s3://ett/{uuid.uuid4().hex[:12]}",
+            "s3_endpoint_url": s3_proxy.url,
+            "retries": 0,
+        },
+        checkpoint={"mode": "sync", "every_steps": 1, "keep_latest_k": 2},
+    )
+    url = storage.join(checkpoints_url(config.job_url), step_dir_name(1))
+    # The save's own check that step 1 is not committed goes through; the looks after fail.
+    cut = s3_proxy.cut("HEAD", re.escape(f"/{step_dir_name(1)}/{MANIFEST}"), after=1)
+    stop = threading.Event()
+
+    def rank_0() -> None:
+        while not stop.is_set():
+            done = [n for n in storage.listdir(url) if n.startswith("_done.rank001.")]
+            if done and cut.count > 0:
+                s3_proxy.clear()
+                nonce = done[0][len("_done.rank001.") : -len(".json")]
+                manifest = Manifest(1, 2, config.model_hash(), {}, nonce=nonce)
+                storage.write_text(storage.join(url, MANIFEST), manifest.to_json())
+                return
+            time.sleep(0.02)
+
+    storage.configure(config.storage)
+    ledger = Ledger(f"file://{tmp_path}/ledger")
+    ckpt = Checkpointer(config, rank=1, world_size=2, ledger=ledger)
+    helper = threading.Thread(target=rank_0)
+    helper.start()
+    try:
+        _register(ckpt, _state(group, 1.0))
+        saved = ckpt.emergency_save(1, budget_s=60)
+    finally:
+        stop.set()
+        helper.join()
+        ckpt.close()
+        ledger.close()
+    assert cut.count > 0 and saved
+    assert ckpt.failed_steps == []

@@ -77,6 +77,14 @@ def test_retention_keeps_the_newest_eval_steps_for_the_side_evaluator(job_url: s
     assert [c.step for c in committed_checkpoints(job_url)] == [100, 90]
 
 
+def test_retention_with_an_eval_at_every_step_keeps_the_eval_backlog(job_url: str) -> None:
+    """``eval_every: 1`` makes every step an eval step: the newest EVAL_BACKLOG are kept."""
+    for step in (1, 2, 3, 4, 5):
+        _fake_checkpoint(job_url, step)
+    purge_old(job_url, keep_latest_k=1, eval_every=1)
+    assert [c.step for c in committed_checkpoints(job_url)] == [5, 4, 3]
+
+
 def test_retention_keeps_latest_k_anchor_and_inflight(job_url: str) -> None:
     _fake_checkpoint(job_url, 5, anchor=True)
     for step in (10, 20, 30, 40):
@@ -119,6 +127,20 @@ def test_retention_never_deletes_the_checkpoint_just_committed(job_url: str) -> 
     _fake_checkpoint(job_url, 5)
     purge_old(job_url, keep_latest_k=1, keep=just)
     assert [c.step for c in committed_checkpoints(job_url)] == [30, 10]
+
+
+def test_retention_spares_uncommitted_folders_newer_than_the_checkpoint_just_committed(
+    job_url: str,
+) -> None:
+    """Debris is judged against the step this process just committed, not a newer commit of
+    another lineage: the folder after it may be this process's save in flight."""
+    _fake_checkpoint(job_url, 30)
+    just = _fake_checkpoint(job_url, 10)
+    _fake_checkpoint(job_url, 5, commit=False)  # debris, older than the one just committed
+    _fake_checkpoint(job_url, 20, commit=False)  # newer: may be in flight
+    deleted = purge_old(job_url, keep_latest_k=2, keep=just)
+    assert deleted == [storage.join(checkpoints_url(job_url), step_dir_name(5))]
+    assert step_dir_name(20) in storage.listdir(checkpoints_url(job_url))
 
 
 def test_quarantine_moves_a_checkpoint_out_of_the_committed_ones(job_url: str) -> None:

@@ -25,7 +25,7 @@ from trainer.checkpoint.manifest import (
     committed_checkpoints,
     step_dir_name,
 )
-from trainer.checkpoint.restore import Restored, restore
+from trainer.checkpoint.restore import Restored, fetch, restore
 
 
 def _config(root: str, job_id: str = "restore", **sections: Any) -> JobConfig:
@@ -107,6 +107,22 @@ def test_a_corrupt_newest_checkpoint_falls_back_and_is_quarantined(tmp_path, gro
     assert sorted(name.rsplit("-", 2)[0] for name in moved) == [step_dir_name(2), step_dir_name(3)]
 
 
+def test_a_corrupt_checkpoint_that_cannot_be_quarantined_still_falls_back(tmp_path, group) -> None:
+    """Quarantine is tidying: when it fails (here a file stands where its folder goes) the
+    good checkpoint is still resumed from, and the corrupt one stays for the next attempt."""
+    config = _config(f"file://{tmp_path}/store")
+    _save(config, group, tmp_path, 1, 2)
+    _corrupt(config, 2)
+    blocker = storage.local_path(storage.join(checkpoints_url(config.job_url), QUARANTINE))
+    assert blocker is not None
+    with open(blocker, "w") as fh:
+        fh.write("not a folder")
+    got, state = _restore(config, group)
+    assert got is not None and got.checkpoint.step == 1
+    assert torch.equal(state["model"]["w"], torch.full((4, 3), 1.0))
+    assert _steps(config) == [2, 1]
+
+
 def test_without_fallback_a_corrupt_checkpoint_is_an_error_naming_it(tmp_path, group) -> None:
     config = _config(f"file://{tmp_path}/store", checkpoint={"fallback_on_corrupt": False})
     _save(config, group, tmp_path, 1, 2)
@@ -140,6 +156,17 @@ def test_an_incompatible_checkpoint_is_an_error(tmp_path, group) -> None:
     with pytest.raises(CheckpointError, match="written by 1 ranks, this job has 2"):
         _restore(config, group, world_size=2)
     assert _steps(config) == [1]
+
+
+def test_a_verified_checkpoint_that_does_not_fit_the_state_is_an_error(tmp_path, group) -> None:
+    """Intact files DCP cannot load into this state (a tensor of another shape): no relaunch
+    fixes that, so it is a CheckpointError naming the checkpoint, not a crash."""
+    config = _config(f"file://{tmp_path}/store")
+    _save(config, group, tmp_path, 1)
+    state = {"model": {"w": torch.zeros(5, 3)}, "optim": {"m": torch.zeros(2)}}
+    with pytest.raises(CheckpointError, match=f"{step_dir_name(1)} could not be loaded"):
+        restore(config, state, 0, 1, group)
+    assert _steps(config) == [1]  # not corrupt: nothing quarantined
 
 
 def test_resume_none_or_checkpoints_off_load_nothing(tmp_path, group) -> None:
@@ -198,3 +225,16 @@ def test_a_checkpoint_on_object_storage_is_fetched_and_verified(tmp_path, group)
     storage.remove(storage.join(_url(config, 2), "__0_0.distcp"))
     with pytest.raises(CheckpointCorrupt, match=f"{step_dir_name(2)} is missing file __0_0"):
         _restore(config, group)
+
+
+def test_a_local_disk_error_while_fetching_is_a_storage_error(tmp_path, group) -> None:
+    """The download folder cannot be made (a file is in the way): the local disk's fault, not
+    the checkpoint's, so a retryable StorageError naming the checkpoint, not corruption."""
+    config = _config(f"memory://restore-disk-{tmp_path.name}")
+    _save(config, group, tmp_path, 1)
+    in_the_way = tmp_path / "downloads"
+    in_the_way.write_text("a file, not a folder")
+    ckpt = committed_checkpoints(config.job_url)[0]
+    with pytest.raises(storage.StorageError, match=f"reading checkpoint {ckpt.url} failed"):
+        fetch(ckpt, str(in_the_way))
+    assert _steps(config) == [1]
