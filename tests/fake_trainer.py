@@ -20,6 +20,8 @@ the trainer does: back to the last commit, counted in the progress record's ``re
 FAKE_EXIT_CODE=<n> exits at once with n (e.g. 2, a bad config) after marking attempt_start.
 FAKE_RANK_CHILD=<path> starts a child in a session of its own, as torchrun does with its
 ranks, which only a whole-tree kill ends; its pid goes to ``<path>.<attempt>``.
+FAKE_RANK_CHILD_STEP=<n> starts that child at step n instead of at the start (as a data
+loader starts its workers), after the last change of phase the orchestrator sees.
 """
 
 from __future__ import annotations
@@ -64,9 +66,14 @@ def main(control: RankControl | None) -> int:
     if control is not None:
         control.report(Phase.INIT)
     print(f"fake trainer: attempt {attempt} of {cfg['job_id']} starting", flush=True)
-    if "FAKE_RANK_CHILD" in os.environ:
+    child_step = int(os.environ.get("FAKE_RANK_CHILD_STEP", "0"))
+
+    def start_child() -> None:
         child = subprocess.Popen(["sleep", "3600"], start_new_session=True)
         Path(f"{os.environ['FAKE_RANK_CHILD']}.{attempt}").write_text(str(child.pid))
+
+    if "FAKE_RANK_CHILD" in os.environ and not child_step:
+        start_child()
     if "FAKE_EXIT_CODE" in os.environ:
         ledger.close()
         return int(os.environ["FAKE_EXIT_CODE"])
@@ -107,6 +114,8 @@ def main(control: RankControl | None) -> int:
             if control is not None:
                 control.report(Phase.TRAINING, step, steps, restarts)
             continue
+        if "FAKE_RANK_CHILD" in os.environ and step == child_step:
+            start_child()
         if kind == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         give_up = time.monotonic() + float(os.environ.get("FAKE_HANG_LIMIT_S", "3600"))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from infra import storage
+from infra import ledger, storage
 from infra.ledger import (
     Ledger,
     ledger_url,
@@ -45,6 +47,7 @@ def test_span_and_mark_roundtrip_with_fake_clock(tmp_path) -> None:
         with led.span("train_step", step=7) as extra:
             extra["loss"] = 0.5
         led.mark("checkpoint_committed", step=7)
+        assert led.sync()  # on local disk every event is stored as it is written
     span, mark = read_events(url)
     assert (span.kind, span.name, span.start, span.end, span.step) == (
         "span",
@@ -143,7 +146,7 @@ def test_unknown_names_are_rejected(tmp_path) -> None:
     assert read_events(str(tmp_path / "job")) == []
 
 
-def test_torn_and_garbage_lines_are_skipped(tmp_path) -> None:
+def test_torn_and_garbage_lines_are_skipped(tmp_path, caplog) -> None:
     url = str(tmp_path / "job")
     with Ledger(url, clock=_ticking()) as led:
         for step in range(1, 4):
@@ -153,8 +156,16 @@ def test_torn_and_garbage_lines_are_skipped(tmp_path) -> None:
         fh.write('{"v":1,"kind":"span","name":"train_st')  # torn: no end, no newline
     assert [e.step for e in read_events(url)] == [1, 2, 3]
     text = '{"kind":"mark"}\nnot json\n\n{"v":1,"kind":"mark","name":"job_end","t":5}\n'
-    (event,) = parse_lines(text)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="infra.ledger"):
+        (event,) = parse_lines(text, source="hand.jsonl")
     assert event.name == "job_end" and event.start == 5.0
+    # A line without the optional fields: attempt 0, rank 0, no step, no attrs.
+    assert (event.attempt, event.rank, event.step, event.attrs) == (0, 0, None, {})
+    # The warnings name each skipped line by its number in the file, counted from 1.
+    assert [r.getMessage() for r in caplog.records] == [
+        f"skipping unreadable ledger line hand.jsonl:{n} (torn write?)" for n in (1, 2)
+    ]
 
 
 def _segments(led: Ledger) -> list[str]:
@@ -164,8 +175,11 @@ def _segments(led: Ledger) -> list[str]:
 def test_object_storage_gets_appended_segments_not_rewrites() -> None:
     """Each upload is one small object holding only the lines appended since the last one;
     the reader reassembles them; close seals the file and deletes the local spool."""
-    url = f"memory://ledger-{uuid.uuid4().hex}"
+    job = uuid.uuid4().hex
+    url = f"memory://ledger-{job}"
     led = Ledger(url, rank=1, role="orchestrator", clock=_ticking(), sync_every_s=3600)
+    # The spool folder is named after the job (the URL's last part), then its URL's hash.
+    assert Path(led._local).parent.name.startswith(f"ett-ledger-ledger_{job}-")
     led.record_span("scheduling", 0.0, 1.0)
     assert led.sync()
     led.record_span("launcher_init", 1.0, 2.0)
@@ -213,9 +227,32 @@ def test_uploads_run_on_the_uploader_thread_not_the_writer(monkeypatch) -> None:
     while len([e for e in read_events(url) if e.name == "train_step"]) < 3:
         assert time.monotonic() < deadline, "the uploader never stored the events"
         time.sleep(0.05)
+    # Stored, but not sealed while the writer is open: a reader knows more may come.
+    assert read_files(url)[0].incomplete
+    assert not any(name.endswith(".final") for name in _segments(led))
     assert led.close()
     assert writers and threading.current_thread().name not in writers, writers
     assert set(writers) == {"ledger-trainer-attempt000-rank000.jsonl"}
+
+
+def test_a_sync_mid_line_stores_only_whole_lines(monkeypatch) -> None:
+    """A sync while the writer is mid-line stores the lines before it; the line goes with
+    the next segment, whole."""
+    monkeypatch.setattr(ledger, "FIRST_SYNC_S", 3600.0)  # only the sync below uploads
+    url = f"memory://ledger-{uuid.uuid4().hex}"
+    led = Ledger(url, clock=_ticking(), sync_every_s=3600)
+    led.record_span("train_step", 1.0, 1.5, step=1)
+    whole = Path(led._local).read_bytes()
+    line = b'{"v":1,"kind":"span","name":"train_step","start":2.0,"end":2.5,"attempt":0,"rank":0}\n'
+    os.write(led._fd, line[:20])  # the writer is mid-line
+    assert led.sync()
+    assert _segments(led) == ["000000000000"]
+    assert storage.read_bytes(f"{led.url}/000000000000") == whole
+    os.write(led._fd, line[20:])
+    assert led.close()
+    assert _segments(led) == ["000000000000", f"{len(whole):012d}.final"]
+    assert storage.read_bytes(f"{led.url}/{len(whole):012d}.final") == line
+    assert [e.start for e in read_events(url)] == [1.0, 2.0]
 
 
 def test_reader_takes_overlapping_segments_once_and_skips_a_torn_tail() -> None:
@@ -347,5 +384,48 @@ def test_a_killed_writers_spool_is_recovered_by_the_next_process(s3_server: str)
 
     after = [e for e in read_events(job) if e.attempt == 0]
     assert [e.step for e in after] == list(range(1, 8))  # once each, the torn line skipped
+    # The rest went as one sealing segment from where the stored part ended: nothing twice.
+    first = len(storage.read_bytes(f"{url}/000000000000"))
+    assert storage.listdir(url) == ["000000000000", f"{first:012d}.final"]
     assert not any(e.name == "ledger_incomplete" for e in read_events(job))
     assert recover_orphaned_spools(other) and not other_spool.exists()
+
+
+EXITS_WITHOUT_CLOSING = textwrap.dedent(
+    """
+    import sys
+    from infra.ledger import Ledger
+    for job in sys.argv[1:]:
+        led = Ledger(job, sync_every_s=3600.0)
+        for step in range(1, 4):
+            led.record_span("train_step", float(step), step + 0.5, step=step)
+        print(led._local, flush=True)
+    """
+)
+
+
+def test_a_writer_that_exits_without_closing_neither_hangs_nor_loses_events() -> None:
+    """A process that ends without closing its ledger (an exception out of main) exits: the
+    uploader thread does not hold it. Its events wait in its spool and the next process
+    uploads and seals them. Its memory:// store ended with it, so seen from here nothing was
+    ever uploaded: the whole spool goes. A spool whose file is sealed already (the writer
+    died between its last upload and deleting the spool) is only deleted."""
+    jobs = [f"memory://ledger-{uuid.uuid4().hex}" for _ in range(2)]
+    proc = subprocess.run(
+        [sys.executable, "-c", EXITS_WITHOUT_CLOSING, *jobs],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,  # a writer held by its uploader thread never exits
+    )
+    assert proc.returncode == 0, proc.stderr
+    spools = [Path(p) for p in proc.stdout.split()]
+    lost, sealed = (f"{ledger_url(job)}/trainer-attempt000-rank000.jsonl" for job in jobs)
+    storage.write_bytes(f"{sealed}/000000000000.final", spools[1].read_bytes())
+
+    assert recover_orphaned_spools(jobs[0]) == [lost]
+    assert storage.listdir(lost) == ["000000000000.final"]
+    assert [e.step for e in read_events(jobs[0])] == [1, 2, 3]
+    assert recover_orphaned_spools(jobs[1]) == [sealed]
+    assert storage.listdir(sealed) == ["000000000000.final"]
+    assert not any(spool.parent.exists() for spool in spools)

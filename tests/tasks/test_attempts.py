@@ -4,6 +4,7 @@ standby, the watch and the process-tree handling are exercised in seconds."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from infra import processes
+from infra.control import Phase
 from infra.ett import report_for_job
 from infra.exit_codes import ExitCode, Outcome, name_of, outcome_of
 from infra.ledger import Mark, Span, next_attempt, read_events
@@ -114,6 +116,32 @@ def test_launch_commands_for_one_node_and_for_several() -> None:
             LaunchSpec("job.yaml", **bad)
 
 
+def test_each_nodes_output_is_named_and_agents_that_exit_0_end_the_attempt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two nodes: every output line names its node, and both agents got the same rendezvous
+    port, one the OS handed out (from its ephemeral range, not a fixed one). Agents that all
+    exit 0 end the attempt with 0, whether or not their ranks left records."""
+    argv = "import sys; print(*sys.argv[1:])"  # an agent that prints its flags and exits 0
+    spec = LaunchSpec(str(tmp_path / "job.yaml"), nnodes=2, launcher=("-c", argv))
+    with caplog.at_level(logging.INFO, logger="test-nodes"):
+        attempt = AttemptProcess.spawn(spec, 3, False, {}, logging.getLogger("test-nodes"))
+        try:
+            for proc in attempt.procs:
+                proc.wait(timeout=60)
+            assert attempt.poll() == 0
+        finally:
+            attempt.end(0.0, preempt=False)  # reaps the agents, joins their output
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[")]
+    assert sorted(line.split("] ")[0] for line in lines) == [
+        "[attempt 3 node 0",
+        "[attempt 3 node 1",
+    ]
+    ports = {a.rsplit(":", 1)[1] for line in lines for a in line.split() if "rdzv-endpoint" in a}
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert len(ports) == 1 and low <= int(ports.pop()) <= high
+
+
 def test_reports_say_what_became_of_an_attempt() -> None:
     def report(outcome: Outcome, code: int, step: int | None) -> AttemptReport:
         return AttemptReport(0, outcome, code, started=0.0, ended=1.0, last_step=step)
@@ -198,7 +226,10 @@ def test_standby_is_promoted_after_a_sigkill_and_a_preemption(tmp_path: Path) ->
     promoted = {e.attempt for e in events if e.name == Mark.PROMOTED}
     assert promoted == {1, 2}
     # Only the cold start has a launcher_init span; promoted standbys start at promotion.
-    assert [e.attempt for e in events if e.name == Span.LAUNCHER_INIT] == [0]
+    launches = [
+        (e.attempt, e.attrs["reached_trainer"]) for e in events if e.name == Span.LAUNCHER_INIT
+    ]
+    assert launches == [(0, True)]
     assert [e.attempt for e in events if e.name == Span.SCHEDULING] == [0]
 
     report = report_for_job(config.job_url)
@@ -300,6 +331,29 @@ def test_the_hang_kill_itself_ends_every_process_of_the_attempt(tmp_path: Path) 
         attempt.end(0.0, preempt=False)
 
 
+@pytest.mark.timeout(120)
+def test_a_child_started_while_training_is_ended_after_its_rank_is_killed(tmp_path: Path) -> None:
+    """A rank starts a child while it trains (in a session of its own), then is SIGKILLed:
+    the orphan is reparented away, and no change of phase made the orchestrator look at the
+    tree since it started. The watcher's periodic scan saw it: it is ended with the attempt."""
+    faults = [{"kind": "sigkill", "step": 80, "attempt": 0}]
+    env = {"FAKE_RANK_CHILD": str(tmp_path / "child"), "FAKE_RANK_CHILD_STEP": "10"}
+    try:
+        _, outcome, _ = _run(
+            tmp_path, faults, RetryPolicy(max_failures=0), standby=False, steps=100, env=env
+        )
+        assert [a.outcome for a in outcome.attempts] == [Outcome.SIGKILL]
+        child = int((tmp_path / "child.0").read_text())
+        deadline = time.monotonic() + 10  # signalled: it is gone once the kernel delivers it
+        while processes.pid_alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not processes.pid_alive(child), "a child started while training outlived it"
+    finally:
+        for path in tmp_path.glob("child.*"):  # not left behind when the test fails
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(path.read_text()), signal.SIGKILL)
+
+
 def test_preemptions_are_not_failures(tmp_path: Path) -> None:
     """Two preemptions with max_failures=0: not one failure, the job succeeds."""
     faults = [{"kind": "sigterm", "step": 3 + a, "attempt": a} for a in range(2)]
@@ -365,6 +419,28 @@ def test_cancelled_job_preempts_its_attempt_and_ends_the_standby(tmp_path: Path)
     events = read_events(config.job_url)
     # SIGTERM -> the attempt checkpointed at its step boundary and exited as preempted.
     assert any(e.name == Mark.CHECKPOINT_COMMITTED and e.attempt == 0 for e in events)
+    assert _fake_pids(tmp_path) == []
+
+
+@pytest.mark.parametrize("standby", [True, False])
+def test_side_work_starts_once_training_runs_and_the_standby_is_parked(
+    tmp_path: Path, standby: bool
+) -> None:
+    """``on_settled`` (where the flow starts its side evaluator) comes when the job trains and
+    its standby, if it has one, is parked: not while the standby still starts, as both would
+    compete for the CPU. Without a standby it comes at the first step."""
+    config, spec = _spec(tmp_path, [], steps=1500)  # about 30 s: a job that never settles ends
+    seen: list[str | None] = []
+
+    def settled() -> None:
+        progress = runner._standby.progress() if runner._standby is not None else None
+        seen.append(progress.phase if progress is not None else None)
+        raise _Cancelled()  # the rest of the job is not needed
+
+    runner = JobRunner(config.job_url, spec, RetryPolicy(), standby=standby, on_settled=settled)
+    with pytest.raises(_Cancelled):
+        runner.run()
+    assert seen == [Phase.PARKED if standby else None]
     assert _fake_pids(tmp_path) == []
 
 
