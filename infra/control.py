@@ -8,8 +8,8 @@ A folder on local disk (``ETT_CONTROL_DIR`` in the ranks' environment) holds:
   Messages are JSON lines: ``{"cmd": "promote", ...}`` wakes a parked standby. End-of-file
   is the lifeline: a rank whose orchestrator died stops instead of training on unwatched.
 - ``progress``, rewritten in place by global rank 0 (one ``pwrite`` per step): the attempt's
-  state, its step, its in-process restarts so far and the clock. It is the single source of progress for the orchestrator's
-  hang detection and progress display.
+  state, its step, its in-process restarts so far and the clock. It is the single source of
+  progress for the orchestrator's hang detection and progress display.
 - ``rank<L>.pid`` and ``rank<L>.exit``: each rank's pid, written when it starts, and its exit
   code, written as it exits. The orchestrator sees a rank die at once (a rank with a pid and
   no exit code was killed) instead of waiting for torchrun's agent to notice and tear down.
