@@ -20,8 +20,11 @@ from tasks.attempts import JobOutcome, JobRunner, LaunchSpec, RetryPolicy, Timeo
 from tests import procs
 from tests.factories import assert_bit_identical, resume_marks, tiny_config, write_dataset
 
+# Steps well past the kill point: the kill needs a progress sample (every 50 ms) at which
+# step 12 has run and the step-10 checkpoint is committed, before the job ends.
+STEPS = 80
 SECTIONS = {
-    "train": {"steps": 30, "eval_every": 0, "eval_rows": 256, "log_every": 5},
+    "train": {"steps": STEPS, "eval_every": 0, "eval_rows": 256, "log_every": 5},
     "checkpoint": {"mode": "async_staged", "every_steps": 5, "keep_latest_k": 2},
 }
 KILL_AFTER = 12  # node 1 goes once a step past the step-10 checkpoint has run
@@ -73,6 +76,6 @@ def test_a_lost_node_is_recovered_bit_identical(tmp_path: Path) -> None:
     lost = tiny_config(tmp_path, job_id="two-nodes-lost", **SECTIONS)
     outcome = run_two_nodes(lost, tmp_path, kill_node_1=True)
     assert [a.outcome for a in outcome.attempts] == [Outcome.SIGKILL, Outcome.SUCCESS]
-    assert_bit_identical(clean, lost, 30)
+    assert_bit_identical(clean, lost, STEPS)
     [(attempt, step, in_process)] = resume_marks(lost)
     assert attempt == 1 and not in_process and step >= 10 and step % 5 == 0
