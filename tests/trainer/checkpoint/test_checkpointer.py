@@ -13,6 +13,7 @@ import threading
 import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -424,6 +425,31 @@ def test_emergency_save_with_checkpoints_off_writes_nothing(
     assert not storage.exists(checkpoints_url(config.job_url))
 
 
+def _emergency_save_as_rank_1(
+    config: JobConfig,
+    group: dist.ProcessGroup,
+    tmp_path: Path,
+    rank_0: Callable[[], None],
+    stop: threading.Event,
+) -> tuple[bool, Checkpointer]:
+    """Rank 1's emergency save of step 1 in a 2-rank job, with rank 0 played by a thread
+    running ``rank_0`` until ``stop`` is set: what the save answered, and the checkpointer."""
+    storage.configure(config.storage)
+    ledger = Ledger(f"file://{tmp_path}/ledger")
+    ckpt = Checkpointer(config, rank=1, world_size=2, ledger=ledger)
+    helper = threading.Thread(target=rank_0)
+    helper.start()
+    try:
+        _register(ckpt, _state(group, 1.0))
+        saved = ckpt.emergency_save(1, budget_s=60)
+    finally:
+        stop.set()
+        helper.join()
+        ckpt.close()
+        ledger.close()
+    return saved, ckpt
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rank0", ["commits", "fails"])
 def test_emergency_save_on_another_rank_answers_what_rank_0_did(
@@ -453,19 +479,7 @@ def test_emergency_save_on_another_rank_answers_what_rank_0_did(
                 return
             time.sleep(0.01)
 
-    storage.configure(config.storage)
-    ledger = Ledger(f"file://{tmp_path}/ledger")
-    ckpt = Checkpointer(config, rank=1, world_size=2, ledger=ledger)
-    helper = threading.Thread(target=rank_0)
-    helper.start()
-    try:
-        _register(ckpt, _state(group, 1.0))
-        saved = ckpt.emergency_save(1, budget_s=60)
-    finally:
-        stop.set()
-        helper.join()
-        ckpt.close()
-        ledger.close()
+    saved, ckpt = _emergency_save_as_rank_1(config, group, tmp_path, rank_0, stop)
     assert saved == (rank0 == "commits")
     assert ckpt.failed_steps == []  # rank 1's own part of the save went through
 
@@ -584,18 +598,6 @@ def test_on_s3_an_emergency_save_on_rank_1_outlasts_a_failing_look_at_its_commit
                 return
             time.sleep(0.02)
 
-    storage.configure(config.storage)
-    ledger = Ledger(f"file://{tmp_path}/ledger")
-    ckpt = Checkpointer(config, rank=1, world_size=2, ledger=ledger)
-    helper = threading.Thread(target=rank_0)
-    helper.start()
-    try:
-        _register(ckpt, _state(group, 1.0))
-        saved = ckpt.emergency_save(1, budget_s=60)
-    finally:
-        stop.set()
-        helper.join()
-        ckpt.close()
-        ledger.close()
+    saved, ckpt = _emergency_save_as_rank_1(config, group, tmp_path, rank_0, stop)
     assert cut.count > 0 and saved
     assert ckpt.failed_steps == []
