@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -141,6 +142,26 @@ def sharding_plan(model: torch.nn.Module, env: DistEnv) -> ShardingPlan:
     return planner.collective_plan(model, get_default_sharders(), dist.GroupMember.WORLD)
 
 
+def import_functional_optimizers_unscripted() -> None:
+    """Import ``torch.distributed.optim`` with TorchScript off.
+
+    TorchRec's ``apply_optimizer_in_backward`` imports that package, whose functional
+    optimizers are TorchScript-compiled at import: a few tenths of a second of every start,
+    for classes that only DDP's optimizer-overlap hooks use, which this trainer does not.
+    Imported with scripting off they stay plain Python classes; ``torch.jit.script`` works
+    again as soon as the import returns.
+    """
+    if "torch.distributed.optim" in sys.modules:
+        return
+    from torch.jit import _state
+
+    _state.disable()
+    try:
+        import torch.distributed.optim  # noqa: F401
+    finally:
+        _state.enable()
+
+
 def build_train_module(
     config: JobConfig, env: DistEnv
 ) -> tuple[DistributedModelParallel, CombinedOptimizer]:
@@ -148,6 +169,7 @@ def build_train_module(
 
     Seeded so every rank builds identical dense weights and a run is repeatable.
     """
+    import_functional_optimizers_unscripted()
     torch.manual_seed(config.train.seed)
     # Tables on "meta": DMP allocates only each rank's shards. Dense layers are built on the
     # CPU from the seed (identical on every rank) and moved to the device by DMP.

@@ -250,9 +250,13 @@ class Initializer:
 
     def init_plugins(self, attrs: dict[str, Any]) -> None:
         cfg, env = self.config, self.env
-        self.holdout = holdout_batches(
-            cfg.data, env.rank, env.world_size, cfg.train.eval_rows, cfg.data.eval_batch_size
-        )
+        # Only the loop's own evaluation reads the holdout rows; with eval async the side
+        # evaluator loads them, so a trainer that never evaluates skips reading them.
+        self.holdout = []
+        if cfg.train.eval == EvalMode.INLINE:
+            self.holdout = holdout_batches(
+                cfg.data, env.rank, env.world_size, cfg.train.eval_rows, cfg.data.eval_batch_size
+            )
         self.faults = FaultInjector(cfg.faults, self.ledger.attempt, env.rank)
         self.checkpointer = Checkpointer(
             cfg,
