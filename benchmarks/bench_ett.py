@@ -19,7 +19,11 @@ A failure strikes the attempt that reaches its step: in the baseline each failur
 attempt (attempts 0, 1, 2); in the optimized run the crash is recovered inside attempt 0, so
 the SIGKILL also lands in attempt 0 and the preemption in attempt 1.
 
-    .venv/bin/python benchmarks/bench_ett.py [--steps 5000] [--only optimized]
+    .venv/bin/python benchmarks/bench_ett.py [--steps 5000] [--only optimized] [--pool]
+
+``--pool``: the optimized job's launchers are claimed from a warm agent pool (``ett pool``,
+tasks/agent_pool.py) instead of fresh interpreters: its first attempt starts from an agent
+that imported everything before the job existed (the standbys claim one when it has parked).
 
 Writes benchmarks/results/ett.json, ett.md and ett.png (the wall time of both runs by
 bucket), and prints the table. With both runs, it then feeds their ledgers to ``ett
@@ -30,6 +34,7 @@ the projection of both to 16,384 GPUs, in benchmarks/results/simulate/.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -37,6 +42,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +178,29 @@ def prewarm(work: Path) -> None:
     train_flow(config=str(path))
 
 
+@contextlib.contextmanager
+def agent_pool(work: Path, enabled: bool) -> Iterator[None]:
+    """With ``enabled``: ``ett pool`` runs (one agent parked before the job starts) and this
+    process, which runs the flow, has ``ETT_AGENT_POOL`` pointing at it."""
+    if not enabled:
+        yield
+        return
+    from infra.agent_pool import ENV_POOL
+    from infra.processes import repo_pythonpath
+    from tests.factories import PoolProcess
+
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(os.environ.get("PYTHONPATH"))}
+    pool = PoolProcess(work, {k: v for k, v in env.items() if k != ENV_POOL})
+    os.environ[ENV_POOL] = pool.socket
+    try:
+        pool.wait_for("parked after")
+        yield
+    finally:
+        os.environ.pop(ENV_POOL, None)
+        if pool.stop() != 0:
+            raise RuntimeError(f"ett pool failed:\n{pool.text()}")
+
+
 def markdown(rows: list[dict[str, Any]], ratio: float | None) -> str:
     by = {r["variant"]: r for r in rows}
     cols = [v for v in VARIANTS if v in by]
@@ -246,6 +275,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--backoff-s", type=float, default=2.0)
     parser.add_argument("--only", choices=VARIANTS)
+    parser.add_argument(
+        "--pool",
+        action="store_true",
+        help="the optimized job claims its launchers from `ett pool` (ETT_AGENT_POOL)",
+    )
     parser.add_argument("--work-dir", help="keep data and jobs here (default: a temp dir)")
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument(
@@ -273,7 +307,9 @@ def main() -> int:
             continue
         if variant == "optimized":
             prewarm(work)
-        rows.append(run_variant(variant, work, args))
+        with agent_pool(work, enabled=args.pool and variant == "optimized"):
+            rows.append(run_variant(variant, work, args))
+        rows[-1]["agent_pool"] = args.pool and variant == "optimized"
         print(f"# {variant}: ETT {rows[-1]['ett_pct']:.1f}%", flush=True)
     by = {r["variant"]: r for r in rows}
     ratio = None
@@ -297,7 +333,7 @@ def main() -> int:
         "started": started,
         "minutes": round((time.time() - started) / 60, 1),
     }
-    suffix = f"-{args.only}" if args.only else ""
+    suffix = (f"-{args.only}" if args.only else "") + ("-pool" if args.pool else "")
     (out / f"ett{suffix}.json").write_text(json.dumps(result, indent=2))
     table = markdown(rows, ratio)
     (out / f"ett{suffix}.md").write_text(table + "\n")

@@ -24,6 +24,7 @@ from flows.commands import (
     cmd_demo,
     cmd_fleet,
     cmd_generate,
+    cmd_pool,
     cmd_publish,
     cmd_report,
     cmd_simulate,
@@ -99,6 +100,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-failures", type=int, default=3, help="failures survived")
     p.add_argument("--backoff-s", type=float, default=10.0, help="wait when a failure repeats")
     p.add_argument("--hang-timeout-s", type=positive, default=600.0, help="no step this long")
+    p = add(
+        "pool",
+        cmd_pool,
+        "keep trainer agents imported and parked, so jobs start warm (ETT_AGENT_POOL)",
+        False,
+    )
+    p.add_argument("--socket", help="unix socket to listen on (default: a per-user path)")
+    p.add_argument("--size", type=positive_int, default=1, help="agents kept parked")
+    p.add_argument(
+        "--refill-delay-s",
+        type=float,
+        default=10.0,
+        help="after a claim, wait this long before parking the next agent (default 10)",
+    )
     p = add("report", cmd_report, "print the ETT breakdown of a job")
     p.add_argument("job", help="job id (under storage.root/jobs) or the job's URL")
     p.add_argument("--plot", metavar="PNG", help="also write the wall-time breakdown picture")

@@ -92,6 +92,29 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0 if outcome.succeeded else outcome.attempts[-1].exit_code
 
 
+def cmd_pool(args: argparse.Namespace) -> int:
+    """Keep trainer agents parked until stopped (SIGTERM, Ctrl-C); orchestrators whose
+    environment has ETT_AGENT_POOL=<socket> claim them instead of starting cold."""
+    from infra.agent_pool import ENV_POOL, socket_path_default
+    from tasks.agent_pool import AgentPool
+
+    path = args.socket or socket_path_default()
+    pool = AgentPool(path, size=args.size, refill_delay_s=args.refill_delay_s)
+
+    def stop(signum: int, frame: object) -> None:
+        pool.stop.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    print(f"agent pool: {args.size} agent(s) on {path}; use it with {ENV_POOL}={path}")
+    try:
+        pool.serve()
+    except RuntimeError as exc:  # another pool listens there
+        raise UserError(str(exc)) from exc
+    print(f"agent pool stopped after {pool.claims} claim(s)")
+    return 0
+
+
 def _job_url(args: argparse.Namespace, config: JobConfig) -> str:
     """The job's URL; UserError naming the jobs that exist when it has no ledger."""
     from infra import storage

@@ -13,6 +13,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def repo_pythonpath(existing: str | None) -> str:
+    """PYTHONPATH for a process this repo starts (launcher, parked agent, evaluator, data
+    generator): the repo first, then ``existing`` without it. One rule, so a parked agent's
+    environment and a claim's compare like with like (tasks/agent_pool.py)."""
+    rest = [p for p in (existing or "").split(os.pathsep) if p and p != str(REPO_ROOT)]
+    return os.pathsep.join([str(REPO_ROOT), *rest])
+
 
 def group_cmdlines(pgid: int) -> list[str] | None:
     """Command lines of the live (non-zombie) processes in group ``pgid``; None without /proc."""
@@ -176,7 +186,8 @@ def terminate_tree(
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send ``sig`` to this process when the thread that started it exits
     (PR_SET_PDEATHSIG, Linux; a no-op elsewhere). A rank calls it first thing, so it never
-    outlives its launcher; if the parent is already gone, it exits at once."""
+    outlives its launcher; if the parent is already gone, it exits at once. ``sig`` 0
+    withdraws the request (a claimed pool agent changes owner)."""
     parent = os.getppid()
     try:
         import ctypes

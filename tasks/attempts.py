@@ -49,16 +49,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from infra import processes
+from infra.agent_pool import ENV_POOL
 from infra.control import Command, ControlDir, Phase, Progress
 from infra.exit_codes import ExitCode, Outcome, name_of, outcome_of
 from infra.lease import acquire_job_lease
 from infra.ledger import Ledger, Mark, Span, recover_orphaned_spools
+from tasks.agent_pool import PooledLauncher, claim
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 POLL_S = 0.05  # how often a watched attempt is looked at (a file read and a waitpid)
 TRACK_EVERY_S = 1.0  # how often its process tree is listed (a /proc scan)
 RENDEZVOUS_HOST = "127.0.0.1"
@@ -82,6 +82,9 @@ class LaunchSpec:
     # and the program it runs on every rank.
     launcher: tuple[str, ...] = ("-m", "trainer.launch")
     program: tuple[str, ...] = ("-m", "trainer")
+    # A warm agent pool's socket (tasks/agent_pool.py): launchers are claimed from it when
+    # it can serve them, else started fresh.
+    agent_pool: str | None = field(default_factory=lambda: os.environ.get(ENV_POOL) or None)
 
     def __post_init__(self) -> None:
         if self.nproc < 1 or self.nnodes < 1:
@@ -145,7 +148,8 @@ class AttemptProcess:
         ]
         self.spawned = time.time()
         self.promoted_at: float | None = None
-        self.procs: list[subprocess.Popen[str]] = []
+        self.procs: list[subprocess.Popen[str] | PooledLauncher] = []
+        self.pooled = 0  # launchers claimed from the agent pool
         self.pumps: list[OutputPump] = []
         self.log = log
         self.tree = processes.TreeTracker()  # every process of the attempt, ever seen
@@ -155,30 +159,36 @@ class AttemptProcess:
         cls, spec: LaunchSpec, number: int, standby: bool, env: dict[str, str], log: Log
     ) -> AttemptProcess:
         attempt = cls(number, standby, spec, log)
-        pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
         base_env = {
             **os.environ,
-            "PYTHONPATH": pythonpath,
+            "PYTHONPATH": processes.repo_pythonpath(os.environ.get("PYTHONPATH")),
             **spec.env,
             **env,
             "ETT_ATTEMPT": str(number),
         }
         commands = spec.commands(_free_port(), f"ett-attempt{number}-{os.getpid()}")
         for node, (command, control) in enumerate(zip(commands, attempt.controls, strict=True)):
-            proc = subprocess.Popen(
-                command,
-                env={**base_env, **control.env(standby)},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                text=True,
-                start_new_session=True,  # its own group: a Ctrl-C of ours is not its signal
-            )
+            node_env = {**base_env, **control.env(standby)}
+            proc: subprocess.Popen[str] | PooledLauncher | None = None
+            if spec.agent_pool:
+                proc = claim(spec.agent_pool, command, node_env, log)
+                attempt.pooled += proc is not None
+            if proc is None:
+                proc = subprocess.Popen(
+                    command,
+                    env=node_env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    text=True,
+                    start_new_session=True,  # its own group: a Ctrl-C of ours is not its signal
+                )
             attempt.procs.append(proc)
             prefix = f"[attempt {number}{' standby' if standby else ''} node {node}] "
             attempt.pumps.append(OutputPump(proc.stdout, log, prefix if spec.nnodes > 1 else ""))
         kind = "standby" if standby else "attempt"
-        log.info("%s %d started: %s", kind, number, " ".join(commands[0]))
+        pooled = f" ({attempt.pooled} launcher(s) from the agent pool)" if attempt.pooled else ""
+        log.info("%s %d started%s: %s", kind, number, pooled, " ".join(commands[0]))
         return attempt
 
     # -- looking at it ---------------------------------------------------------------------
@@ -463,6 +473,7 @@ class JobRunner:
                     attempt.spawned,
                     reached if reached is not None else ended,
                     reached_trainer=reached is not None,
+                    pooled=attempt.pooled,
                 )
             outcome = Outcome.HANG if hung else outcome_of(code)
             report = AttemptReport(

@@ -14,7 +14,7 @@ import sys
 import time
 
 from infra import processes
-from tasks.attempts import REPO_ROOT, Log, OutputPump
+from tasks.attempts import Log, OutputPump
 
 
 class SideEvaluator:
@@ -28,7 +28,7 @@ class SideEvaluator:
     def start(self) -> None:
         if self.proc is not None:
             return
-        pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+        pythonpath = processes.repo_pythonpath(os.environ.get("PYTHONPATH"))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trainer.evaluator", "--config", self.config_path],
             env={**os.environ, "PYTHONPATH": pythonpath},

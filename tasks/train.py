@@ -20,9 +20,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed, State
 
-from infra import storage
+from infra import processes, storage
 from infra.settings import JobConfig, dump_config, load_config
-from tasks.attempts import REPO_ROOT, AttemptProcess, AttemptReport, JobRunner
+from tasks.attempts import AttemptProcess, AttemptReport, JobRunner
 from tasks.logs import logger
 
 
@@ -87,7 +87,7 @@ def ensure_data(config_path: str, data_url: str) -> bool:
     log = logger()
     log.info("no data set at %s: generating it", data_url)
     cmd = [sys.executable, "-m", "flows.cli", "generate", "--config", config_path]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "PYTHONPATH": processes.repo_pythonpath(os.environ.get("PYTHONPATH"))}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     for line in (proc.stdout + proc.stderr).splitlines():
         log.info("%s", line)

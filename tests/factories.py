@@ -141,3 +141,52 @@ class HeldState:
 
     def state_dict(self) -> dict[str, Any]:
         return self.value
+
+
+class PoolProcess:
+    """``ett pool`` started as a user starts it (the installed script), refilling at once,
+    its output in ``folder/pool.log``; for the tests and benchmarks of the agent pool."""
+
+    def __init__(self, folder: Path, env: dict[str, str]) -> None:
+        import sys
+
+        self.socket = str(folder / "pool.sock")
+        self.log = folder / "pool.log"
+        ett = Path(sys.executable).with_name("ett")
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(
+                [str(ett), "pool", "--socket", self.socket, "--refill-delay-s", "0"],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait_for(self, needle: str, count: int = 1, timeout: float = 300) -> None:
+        """Until the log says ``needle`` ``count`` times; AssertionError if the pool exits
+        or ``timeout`` passes first."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self.text().count(needle) < count:
+            assert self.proc.poll() is None, self.text()
+            assert time.monotonic() < deadline, f"no {needle!r} x{count} in: {self.text()}"
+            time.sleep(0.1)
+
+    def claimed(self) -> list[int]:
+        """The pids of the agents claimed so far, in claim order."""
+        return [
+            int(line.split("agent ")[-1].split()[0])
+            for line in self.text().splitlines()
+            if line.endswith(" claimed")
+        ]
+
+    def stop(self) -> int:
+        """SIGTERM, as Ctrl-C or a service manager stops it; its exit code."""
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)

@@ -18,17 +18,28 @@ each for time to start or time to recover:
 - **The exit code is the first failed rank's** (infra/exit_codes.py; a signal ``s`` becomes
   ``128 + s``), so the orchestrator and ``ett train`` classify an attempt from the code alone
   instead of parsing torchrun's summary.
+
+``python -m trainer.launch --park`` is the same launcher started ahead of its job by a warm
+agent pool (tasks/agent_pool.py, protocol in infra/agent_pool.py): it imports everything a
+launch and its forked ranks need, the compiler included, says it is ready, and blocks on its
+socket (no CPU) until an orchestrator's claim hands it a command line, an environment, a
+working folder and its output and status pipes. From then on it is that launch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from infra import agent_pool
 from infra.exit_codes import ExitCode, name_of
+from infra.processes import die_with_parent
 
 log = logging.getLogger("trainer.launch")
 
@@ -141,6 +152,63 @@ def run(argv: Sequence[str]) -> int:
         return _exit_code(codes[0]) if codes else 128 + int(exc.sigval)
 
 
+def _preimport() -> None:
+    """What every launch of the trainer imports: torchrun's agent, the trainer (which its
+    forked ranks inherit) and the compiler the ranks' warm-up loads. CUDA is not touched,
+    so the ranks can still be forked."""
+    import torch._inductor.compile_fx  # noqa: F401 - the ranks' compile warm-up needs it
+    import torch.distributed.launcher.api  # noqa: F401
+    import torch.distributed.run  # noqa: F401
+
+    import trainer.train  # noqa: F401
+    from trainer.distributed import import_functional_optimizers_unscripted
+
+    import_functional_optimizers_unscripted()
+
+
+def park(fd: int) -> int:
+    """A parked agent's life: import, report ready, wait for a claim, then run it.
+
+    Until claimed it dies with its pool (PR_SET_PDEATHSIG); once claimed it belongs to the
+    orchestrator that claimed it, whose control pipes its ranks watch, so it outlives a pool
+    that stops. A pool that closes the socket instead releases it (exit 0)."""
+    die_with_parent()
+    sock = socket.socket(fileno=fd)
+    _preimport()
+    fingerprint = agent_pool.code_fingerprint()
+    try:
+        agent_pool.send(sock, {"ready": True, "pid": os.getpid(), "fingerprint": fingerprint})
+        claim, fds = agent_pool.receive(sock, agent_pool.CLAIM_FDS)
+    except (EOFError, OSError):  # the pool stopped (or released this agent) first
+        return ExitCode.SUCCESS
+    sock.close()
+    if len(fds) != agent_pool.CLAIM_FDS:
+        return ExitCode.USAGE
+    out_fd, status_fd = fds
+    die_with_parent(0)  # the pool no longer decides when this process ends
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for target in (1, 2):
+        os.dup2(out_fd, target)
+    os.close(out_fd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.setsid()  # its own session, as the orchestrator starts a fresh launcher
+    os.chdir(claim["cwd"])
+    os.environ.clear()
+    os.environ.update(claim["env"])
+    code: int = ExitCode.CRASH
+    try:
+        code = main(claim["argv"])
+    except SystemExit as exc:  # torchrun's parser on a bad flag, --help
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    finally:
+        with contextlib.suppress(OSError):  # the orchestrator may be gone
+            os.write(status_fd, f"{int(code)}\n".encode())
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     # The agent's own report of a failed rank is a traceback of torch.distributed internals
@@ -150,4 +218,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--park"]:
+        sys.exit(park(int(os.environ[agent_pool.ENV_PARK_FD])))
     sys.exit(main())

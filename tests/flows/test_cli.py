@@ -25,7 +25,7 @@ from tests.factories import ROOT, tiny_config
 from tests.infra.test_tracking import sqlite_store
 
 ETT = Path(sys.executable).with_name("ett")  # the console script of the installed package
-SUBCOMMANDS = ("generate", "train", "report", "advise", "demo", "fleet", "stack", "publish")
+SUBCOMMANDS = ("generate", "train", "pool", "report", "advise", "demo", "fleet", "stack", "publish")
 
 
 def ett(*args: str, cwd: Path, env: dict[str, str | None] | None = None, timeout: float = 600):

@@ -1,0 +1,196 @@
+"""The warm agent pool: ``ett pool`` and ``ett train`` as a user runs them, real processes.
+
+A parked agent must serve a job exactly as a fresh launcher would (the job succeeds, its
+ledger says the launcher came from the pool), be refused when it imported under other
+settings, count as a lost worker when killed from outside, and nothing the pool started may
+outlive it: every process is found from outside by a marker in the environment it started
+with (/proc/PID/environ keeps it, also after a claimed agent took the job's environment).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from infra import processes
+from infra.agent_pool import ENV_POOL, code_fingerprint, import_env_mismatch
+from infra.exit_codes import ExitCode
+from infra.ledger import read_events
+from infra.settings import dump_config
+from tasks.agent_pool import LAUNCHER, claim
+from tests.factories import ROOT, PoolProcess, tiny_config, write_dataset
+from tests.procs import env_var
+
+ETT = Path(sys.executable).with_name("ett")
+MARK = "ETT_TEST_POOL_MARK"
+
+
+def _marked(mark: str) -> list[int]:
+    """Live processes that started with ``MARK=mark`` in their environment."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        pid = int(proc.name)
+        if env_var(pid, MARK) == mark and processes.pid_alive(pid):
+            found.append(pid)
+    return found
+
+
+@pytest.fixture
+def pool_env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        MARK: uuid.uuid4().hex,
+    }
+
+
+@pytest.fixture
+def pool(tmp_path: Path, pool_env: dict[str, str]) -> Iterator[PoolProcess]:
+    pool = PoolProcess(tmp_path, pool_env)
+    try:
+        pool.wait_for("parked after")
+        yield pool
+    finally:
+        pool.stop()
+
+
+def _job(tmp_path: Path, steps: int) -> Path:
+    config = tiny_config(tmp_path, train={"steps": steps})
+    write_dataset(config)
+    path = tmp_path / "job.yaml"
+    dump_config(config, path)
+    return path
+
+
+def test_a_job_claims_a_parked_agent_and_nothing_outlives_the_pool(
+    tmp_path: Path, pool: PoolProcess, pool_env: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    path = _job(tmp_path, steps=20)
+    # A claim under another import-time setting is refused, naming it; the agent stays.
+    other = {**pool_env, "TORCHINDUCTOR_MAX_AUTOTUNE": "1"}
+    command = [sys.executable, *LAUNCHER, "--standalone", "-m", "trainer", "--config", "x"]
+    with caplog.at_level(logging.WARNING):
+        assert claim(pool.socket, command, other) is None
+    assert "TORCHINDUCTOR_MAX_AUTOTUNE differs" in caplog.text
+    assert pool.claimed() == []
+
+    env = {**pool_env, ENV_POOL: pool.socket}
+    job = subprocess.run(
+        [str(ETT), "train", "--config", str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-3000:]
+    assert "attempt 0 started (1 launcher(s) from the agent pool)" in job.stderr
+    assert "step 20/20" in job.stderr  # the claimed agent's ranks log to the job's output
+    agents = pool.claimed()  # attempt 0's, and the standby's if one had parked by then
+    assert agents and not any(processes.pid_alive(a) for a in agents)  # ended with the job
+    events = read_events(f"file://{tmp_path}/store/jobs/tiny")
+    (launch,) = [e for e in events if e.name == "launcher_init" and e.attempt == 0]
+    assert launch.attrs["pooled"] == 1 and launch.attrs["reached_trainer"] is True
+
+    # A second pool on the same socket is refused in one line.
+    second = subprocess.run(
+        [str(ETT), "pool", "--socket", pool.socket], env=pool_env, capture_output=True, text=True
+    )
+    assert second.returncode == ExitCode.USAGE
+    assert "already listens on" in second.stderr and "Traceback" not in second.stderr
+
+    pool.wait_for("parked after", count=len(agents) + 1)  # refilled after the claims
+    assert pool.stop() == 0
+    assert f"stopped after {len(agents)} claim(s)" in pool.text()
+    assert not Path(pool.socket).exists()
+    assert _marked(pool_env[MARK]) == []
+
+
+def test_a_claimed_agent_killed_from_outside_is_a_lost_worker(
+    tmp_path: Path, pool: PoolProcess, pool_env: dict[str, str]
+) -> None:
+    path = _job(tmp_path, steps=600)
+    env = {**pool_env, ENV_POOL: pool.socket}
+    job = subprocess.Popen(
+        [str(ETT), "train", "--config", str(path), "--backoff-s", "0"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert job.stdout is not None
+        for line in job.stdout:  # until the claimed agent's ranks train
+            if "step 5/600" in line:
+                break
+        os.kill(pool.claimed()[0], signal.SIGKILL)  # attempt 0's launcher
+        out, _ = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, out[-3000:]
+    failures = [e for e in read_events(f"file://{tmp_path}/store/jobs/tiny") if e.name == "failure"]
+    assert [(f.attempt, f.attrs["exit_code"]) for f in failures] == [(0, 128 + signal.SIGKILL)]
+    assert pool.stop() == 0
+    assert _marked(pool_env[MARK]) == []
+
+
+def test_a_claim_that_cannot_be_served_falls_back_in_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    command = [sys.executable, *LAUNCHER, "--standalone", "-m", "trainer"]
+    missing = str(tmp_path / "none.sock")
+    with caplog.at_level(logging.WARNING):
+        assert claim(missing, command, dict(os.environ)) is None
+    assert f"agent pool {missing} unusable" in caplog.text
+    caplog.clear()
+    # Only the trainer's launcher can be served: anything else is not even asked for.
+    assert claim(missing, [sys.executable, "-m", "tests.fake_trainer"], {}) is None
+    assert caplog.text == ""
+
+
+def test_what_a_parked_agent_must_share_with_its_job(tmp_path: Path) -> None:
+    for package in ("trainer", "infra"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "mod.py").write_text("x = 1\n")
+    before = code_fingerprint(tmp_path)
+    assert code_fingerprint(tmp_path) == before
+    (tmp_path / "trainer" / "mod.py").write_text("x = 22\n")
+    assert code_fingerprint(tmp_path) != before
+
+    parked = {"PATH": "/a", "OMP_NUM_THREADS": "1", "PYTHONPATH": "/repo", "ETT_ATTEMPT": "0"}
+    job = {**parked, "PATH": "/b", "ETT_ATTEMPT": "3", "ETT_CONTROL_DIR": "/tmp/c"}
+    assert import_env_mismatch(parked, job) is None  # runtime-only variables may differ
+    assert "OMP_NUM_THREADS differs" in str(
+        import_env_mismatch(parked, {**job, "OMP_NUM_THREADS": "2"})
+    )
+    assert "PYTHONPATH differs" in str(import_env_mismatch(parked, {**job, "PYTHONPATH": "/x"}))
+    assert "NCCL_DEBUG differs" in str(import_env_mismatch(parked, {**job, "NCCL_DEBUG": "INFO"}))
+
+
+def test_agents_that_die_unclaimed_are_parked_again_with_backoff(
+    tmp_path: Path, pool_env: dict[str, str]
+) -> None:
+    # A broken install, as the pool would meet it: every agent dies while importing.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os, sys\nif os.environ.get('ETT_PARK_FD'):\n    sys.exit(3)\n"
+    )
+    env = {**pool_env, "PYTHONPATH": f"{ROOT}{os.pathsep}{site}"}
+    pool = PoolProcess(tmp_path, env)
+    try:
+        pool.wait_for("parking the next agent in 2 s", timeout=60)
+        assert "parking the next agent in 1 s" in pool.text()
+        assert "parked after" not in pool.text()
+    finally:
+        assert pool.stop() == 0
+    assert _marked(pool_env[MARK]) == []
