@@ -190,7 +190,8 @@ def agent_pool(work: Path, enabled: bool) -> Iterator[None]:
     from tests.factories import PoolProcess
 
     env = {**os.environ, "PYTHONPATH": repo_pythonpath(os.environ.get("PYTHONPATH"))}
-    pool = PoolProcess(work, {k: v for k, v in env.items() if k != ENV_POOL})
+    env = {k: v for k, v in env.items() if k != ENV_POOL}
+    pool = PoolProcess(work, env, refill_delay_s=None)  # as a user starts it
     os.environ[ENV_POOL] = pool.socket
     try:
         pool.wait_for("parked after")

@@ -99,11 +99,16 @@ def import_env(env: dict[str, str]) -> dict[str, str]:
 
 
 def import_env_mismatch(parked: dict[str, str], job: dict[str, str]) -> str | None:
-    """The first import-sensitive variable whose value differs, as a phrase; None if none."""
+    """The first import-sensitive variable whose value differs, as a phrase naming it (not
+    its values: an environment may hold secrets); None if none differs."""
     a, b = import_env(parked), import_env(job)
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):
-            return f"{key} differs (parked: {a.get(key)!r}, job: {b.get(key)!r})"
+            if key not in b:
+                return f"{key} differs (unset in the job)"
+            if key not in a:
+                return f"{key} differs (unset in the pool)"
+            return f"{key} differs"
     return None
 
 

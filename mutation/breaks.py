@@ -38,6 +38,7 @@ ETT_TESTS = (
     "tests/trainer/test_startup.py",
 )
 ATTEMPT_TESTS = ("tests/tasks/test_attempts.py",)
+POOL_TESTS = ("tests/tasks/test_agent_pool.py",)
 CHECKPOINT_TESTS = (
     "tests/trainer/checkpoint/test_checkpointer.py",
     "tests/trainer/checkpoint/test_manifest.py",
@@ -146,6 +147,31 @@ BREAKS = (
             ),
         ),
         CHECKPOINT_TESTS,
+    ),
+    Break(
+        "B7",
+        "the pool hands a parked agent to a job imported under other settings",
+        "tasks/agent_pool.py",
+        (
+            (
+                "        mismatch = agent_pool.import_env_mismatch("
+                'agent.env, request.get("env", {}))\n',
+                "        mismatch = None\n",
+            ),
+        ),
+        POOL_TESTS,
+    ),
+    Break(
+        "B8",
+        "a parked agent outlives a pool that is killed",
+        "trainer/launch.py",
+        (
+            (
+                "    die_with_parent()\n    sock = socket.socket(fileno=fd)\n",
+                "    sock = socket.socket(fileno=fd)\n",
+            ),
+        ),
+        POOL_TESTS,
     ),
 )
 

@@ -144,18 +144,22 @@ class HeldState:
 
 
 class PoolProcess:
-    """``ett pool`` started as a user starts it (the installed script), refilling at once,
-    its output in ``folder/pool.log``; for the tests and benchmarks of the agent pool."""
+    """``ett pool`` started as a user starts it (the installed script), its output in
+    ``folder/pool.log``; for the tests and benchmarks of the agent pool. ``refill_delay_s``
+    None: the command's default."""
 
-    def __init__(self, folder: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self, folder: Path, env: dict[str, str], refill_delay_s: float | None = 0.0
+    ) -> None:
         import sys
 
         self.socket = str(folder / "pool.sock")
         self.log = folder / "pool.log"
         ett = Path(sys.executable).with_name("ett")
+        refill = [] if refill_delay_s is None else ["--refill-delay-s", str(refill_delay_s)]
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(
-                [str(ett), "pool", "--socket", self.socket, "--refill-delay-s", "0"],
+                [str(ett), "pool", "--socket", self.socket, *refill],
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -139,7 +140,18 @@ def test_a_claimed_agent_killed_from_outside_is_a_lost_worker(
     assert job.returncode == 0, out[-3000:]
     failures = [e for e in read_events(f"file://{tmp_path}/store/jobs/tiny") if e.name == "failure"]
     assert [(f.attempt, f.attrs["exit_code"]) for f in failures] == [(0, 128 + signal.SIGKILL)]
-    assert pool.stop() == 0
+
+    # The pool itself killed: its parked agent dies with it, and its socket is taken over.
+    pool.wait_for("parked after", count=len(pool.claimed()) + 1)
+    pool.proc.kill()
+    pool.proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while _marked(pool_env[MARK]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _marked(pool_env[MARK]) == []
+    again = PoolProcess(tmp_path, pool_env)
+    again.wait_for("started agent")  # it listens on the socket the dead pool left behind
+    assert again.stop() == 0
     assert _marked(pool_env[MARK]) == []
 
 
@@ -173,7 +185,10 @@ def test_what_a_parked_agent_must_share_with_its_job(tmp_path: Path) -> None:
         import_env_mismatch(parked, {**job, "OMP_NUM_THREADS": "2"})
     )
     assert "PYTHONPATH differs" in str(import_env_mismatch(parked, {**job, "PYTHONPATH": "/x"}))
-    assert "NCCL_DEBUG differs" in str(import_env_mismatch(parked, {**job, "NCCL_DEBUG": "INFO"}))
+    unset = import_env_mismatch(parked, {**job, "NCCL_DEBUG": "INFO"})
+    assert unset == "NCCL_DEBUG differs (unset in the pool)"
+    secret = import_env_mismatch({**parked, "TORCH_X": "s3cret"}, {**job, "TORCH_X": "other"})
+    assert secret == "TORCH_X differs"  # named, values never shown
 
 
 def test_agents_that_die_unclaimed_are_parked_again_with_backoff(
