@@ -497,14 +497,11 @@ def s3_proxy(s3_server: str) -> Iterator[RequestCutter]:
         storage.configure(None)
 
 
-def test_on_s3_a_failed_upload_leaves_its_step_uncommitted(
-    tmp_path, group: dist.ProcessGroup, s3_proxy: RequestCutter
-) -> None:
-    """The manifest is written last, after every file is uploaded: when the upload of step
-    2's DCP metadata is reset (no retries), step 2 has no manifest and step 1 stays the
-    latest, whole."""
-    config = load_config(
-        job_id="s3-manifest-last",
+def _s3_config(s3_proxy: RequestCutter, job_id: str) -> JobConfig:
+    """A job on the S3 endpoint behind ``s3_proxy``, in a fresh prefix: no retries (a cut
+    request fails at once), a synchronous checkpoint every step, two kept."""
+    return load_config(
+        job_id=job_id,
         storage={
             "root": f"s3://ett/{uuid.uuid4().hex[:12]}",
             "s3_endpoint_url": s3_proxy.url,
@@ -512,6 +509,15 @@ def test_on_s3_a_failed_upload_leaves_its_step_uncommitted(
         },
         checkpoint={"mode": "sync", "every_steps": 1, "keep_latest_k": 2},
     )
+
+
+def test_on_s3_a_failed_upload_leaves_its_step_uncommitted(
+    tmp_path, group: dist.ProcessGroup, s3_proxy: RequestCutter
+) -> None:
+    """The manifest is written last, after every file is uploaded: when the upload of step
+    2's DCP metadata is reset (no retries), step 2 has no manifest and step 1 stays the
+    latest, whole."""
+    config = _s3_config(s3_proxy, "s3-manifest-last")
     ckpt, ledger = _checkpointer(tmp_path, config, group)
     state = _state(group, 1.0)
     _register(ckpt, state)
@@ -537,15 +543,7 @@ def test_on_s3_a_step_whose_commit_cannot_be_checked_is_not_written(
     """Before writing, the save asks whether its step is committed already; when storage
     will not say (the request is reset, no retries), that checkpoint fails, training goes
     on, and nothing of the step is written."""
-    config = load_config(
-        job_id="s3-refuse-unknown",
-        storage={
-            "root": f"s3://ett/{uuid.uuid4().hex[:12]}",
-            "s3_endpoint_url": s3_proxy.url,
-            "retries": 0,
-        },
-        checkpoint={"mode": "sync", "every_steps": 1, "keep_latest_k": 2},
-    )
+    config = _s3_config(s3_proxy, "s3-refuse-unknown")
     ckpt, ledger = _checkpointer(tmp_path, config, group)
     _register(ckpt, _state(group, 1.0))
     try:
@@ -573,15 +571,7 @@ def test_on_s3_an_emergency_save_on_rank_1_outlasts_a_failing_look_at_its_commit
     there. Rank 0 is played by a thread that commits only after a look has failed."""
     import time
 
-    config = load_config(
-        job_id="s3-confirm",
-        storage={
-            "root": f"s3://ett/{uuid.uuid4().hex[:12]}",
-            "s3_endpoint_url": s3_proxy.url,
-            "retries": 0,
-        },
-        checkpoint={"mode": "sync", "every_steps": 1, "keep_latest_k": 2},
-    )
+    config = _s3_config(s3_proxy, "s3-confirm")
     url = storage.join(checkpoints_url(config.job_url), step_dir_name(1))
     # The save's own check that step 1 is not committed goes through; the looks after fail.
     cut = s3_proxy.cut("HEAD", re.escape(f"/{step_dir_name(1)}/{MANIFEST}"), after=1)
