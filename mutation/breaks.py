@@ -161,18 +161,6 @@ BREAKS = (
         ),
         POOL_TESTS,
     ),
-    Break(
-        "B8",
-        "a parked agent outlives a pool that is killed",
-        "trainer/launch.py",
-        (
-            (
-                "    die_with_parent()\n    sock = socket.socket(fileno=fd)\n",
-                "    sock = socket.socket(fileno=fd)\n",
-            ),
-        ),
-        POOL_TESTS,
-    ),
 )
 
 
