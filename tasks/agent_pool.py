@@ -113,10 +113,10 @@ def claim(
             }
             agent_pool.send(sock, request, (out_w, status_w))
             reply, _ = agent_pool.receive(sock)
-        if "pid" not in reply:
-            log_to.warning(
-                "agent pool %s: %s; starting a fresh launcher", socket_path, reply.get("error")
-            )
+        if "pid" not in reply:  # busy (refilling) is normal; anything else is worth a warning
+            level = logging.INFO if reply.get("busy") else logging.WARNING
+            why = reply.get("error")
+            log_to.log(level, "agent pool %s: %s; starting a fresh launcher", socket_path, why)
             return None
         keep = True
         return PooledLauncher(int(reply["pid"]), os.fdopen(out_r, "r"), status_r)
@@ -244,7 +244,7 @@ class AgentPool:
             return {"error": f"a claim needs {agent_pool.CLAIM_FDS} pipes, got {len(fds)}"}
         ready = [a for a in self.parked if a.ready]
         if not ready:
-            return {"error": "no agent parked yet"}
+            return {"error": "no agent parked yet", "busy": True}
         agent = ready[0]
         if agent.fingerprint != request.get("fingerprint"):
             self._drop(agent, "imported other code than the claim runs: replaced")

@@ -192,7 +192,7 @@ def test_what_a_parked_agent_must_share_with_its_job(tmp_path: Path) -> None:
 
 
 def test_agents_that_die_unclaimed_are_parked_again_with_backoff(
-    tmp_path: Path, pool_env: dict[str, str]
+    tmp_path: Path, pool_env: dict[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
     # A broken install, as the pool would meet it: every agent dies while importing.
     site = tmp_path / "site"
@@ -206,6 +206,12 @@ def test_agents_that_die_unclaimed_are_parked_again_with_backoff(
         pool.wait_for("parking the next agent in 2 s", timeout=60)
         assert "parking the next agent in 1 s" in pool.text()
         assert "parked after" not in pool.text()
+        # A pool with nothing parked is busy, not broken: said at INFO, then a cold start.
+        command = [sys.executable, *LAUNCHER, "--standalone", "-m", "trainer"]
+        with caplog.at_level(logging.INFO, logger="tasks.agent_pool"):
+            assert claim(pool.socket, command, env) is None
+        [said] = [r for r in caplog.records if "no agent parked yet" in r.getMessage()]
+        assert said.levelno == logging.INFO
     finally:
         assert pool.stop() == 0
     assert _marked(pool_env[MARK]) == []
