@@ -23,11 +23,11 @@ import pytest
 
 from infra import processes
 from infra.agent_pool import ENV_POOL, code_fingerprint, import_env_mismatch
-from infra.exit_codes import ExitCode
 from infra.ledger import read_events
 from infra.settings import dump_config
 from tasks.agent_pool import LAUNCHER, claim
 from tests.factories import ROOT, PoolProcess, tiny_config, write_dataset
+from tests.flows.test_cli import ett, user_error
 from tests.procs import env_var
 
 ETT = Path(sys.executable).with_name("ett")
@@ -84,14 +84,7 @@ def test_a_job_claims_a_parked_agent_and_nothing_outlives_the_pool(
     assert "TORCHINDUCTOR_MAX_AUTOTUNE differs" in caplog.text
     assert pool.claimed() == []
 
-    env = {**pool_env, ENV_POOL: pool.socket}
-    job = subprocess.run(
-        [str(ETT), "train", "--config", str(path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    job = ett("train", "--config", str(path), cwd=tmp_path, env={**pool_env, ENV_POOL: pool.socket})
     assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-3000:]
     assert "attempt 0 started (1 launcher(s) from the agent pool)" in job.stderr
     assert "step 20/20" in job.stderr  # the claimed agent's ranks log to the job's output
@@ -102,11 +95,7 @@ def test_a_job_claims_a_parked_agent_and_nothing_outlives_the_pool(
     assert launch.attrs["pooled"] == 1 and launch.attrs["reached_trainer"] is True
 
     # A second pool on the same socket is refused in one line.
-    second = subprocess.run(
-        [str(ETT), "pool", "--socket", pool.socket], env=pool_env, capture_output=True, text=True
-    )
-    assert second.returncode == ExitCode.USAGE
-    assert "already listens on" in second.stderr and "Traceback" not in second.stderr
+    user_error(ett("pool", "--socket", pool.socket, cwd=tmp_path, env=pool_env), "already listens")
 
     pool.wait_for("parked after", count=len(agents) + 1)  # refilled after the claims
     assert pool.stop() == 0
