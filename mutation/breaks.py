@@ -161,6 +161,13 @@ BREAKS = (
         ),
         POOL_TESTS,
     ),
+    Break(
+        "B8",
+        "a claimed agent still dies with its pool",
+        "trainer/launch.py",
+        (("    die_with_parent(0)  # the pool no longer decides when this process ends\n", ""),),
+        POOL_TESTS,
+    ),
 )
 
 

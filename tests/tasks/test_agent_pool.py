@@ -104,11 +104,8 @@ def test_a_job_claims_a_parked_agent_and_nothing_outlives_the_pool(
     assert _marked(pool_env[MARK]) == []
 
 
-def test_a_claimed_agent_killed_from_outside_is_a_lost_worker(
-    tmp_path: Path, pool: PoolProcess, pool_env: dict[str, str]
-) -> None:
-    path = _job(tmp_path, steps=600)
-    env = {**pool_env, ENV_POOL: pool.socket}
+def _train_until_it_steps(path: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    """``ett train`` in the background, returned once its ranks log step 5."""
     job = subprocess.Popen(
         [str(ETT), "train", "--config", str(path), "--backoff-s", "0"],
         env=env,
@@ -116,19 +113,32 @@ def test_a_claimed_agent_killed_from_outside_is_a_lost_worker(
         stderr=subprocess.STDOUT,
         text=True,
     )
+    assert job.stdout is not None
+    for line in job.stdout:
+        if "step 5/" in line:
+            return job
+    job.wait(timeout=60)
+    raise AssertionError(f"the job ended (exit {job.returncode}) before it trained")
+
+
+def _failures(tmp_path: Path) -> list[tuple[int, int]]:
+    events = read_events(f"file://{tmp_path}/store/jobs/tiny")
+    return [(e.attempt, e.attrs["exit_code"]) for e in events if e.name == "failure"]
+
+
+def test_a_claimed_agent_killed_from_outside_is_a_lost_worker(
+    tmp_path: Path, pool: PoolProcess, pool_env: dict[str, str]
+) -> None:
+    path = _job(tmp_path, steps=600)
+    job = _train_until_it_steps(path, {**pool_env, ENV_POOL: pool.socket})
     try:
-        assert job.stdout is not None
-        for line in job.stdout:  # until the claimed agent's ranks train
-            if "step 5/600" in line:
-                break
         os.kill(pool.claimed()[0], signal.SIGKILL)  # attempt 0's launcher
         out, _ = job.communicate(timeout=300)
     finally:
         if job.poll() is None:
             job.kill()
     assert job.returncode == 0, out[-3000:]
-    failures = [e for e in read_events(f"file://{tmp_path}/store/jobs/tiny") if e.name == "failure"]
-    assert [(f.attempt, f.attrs["exit_code"]) for f in failures] == [(0, 128 + signal.SIGKILL)]
+    assert _failures(tmp_path) == [(0, 128 + signal.SIGKILL)]
 
     # The pool itself killed: its parked agent dies with it, and its socket is taken over.
     pool.wait_for("parked after", count=len(pool.claimed()) + 1)
@@ -141,6 +151,31 @@ def test_a_claimed_agent_killed_from_outside_is_a_lost_worker(
     again = PoolProcess(tmp_path, pool_env)
     again.wait_for("started agent")  # it listens on the socket the dead pool left behind
     assert again.stop() == 0
+    assert _marked(pool_env[MARK]) == []
+
+
+def test_a_claimed_agent_trains_on_when_its_pool_is_killed(
+    tmp_path: Path, pool: PoolProcess, pool_env: dict[str, str]
+) -> None:
+    """A claimed agent is its orchestrator's: the pool's death (SIGKILL, no goodbye) ends
+    only what was still parked, and the job finishes on the agent it claimed."""
+    path = _job(tmp_path, steps=600)
+    job = _train_until_it_steps(path, {**pool_env, ENV_POOL: pool.socket})
+    try:
+        agent = pool.claimed()[0]
+        pool.proc.kill()
+        pool.proc.wait(timeout=30)
+        out, _ = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, out[-3000:]
+    assert "succeeded on attempt 0 after 0 failure(s)" in out
+    assert _failures(tmp_path) == []
+    assert not processes.pid_alive(agent)  # ended with its job
+    deadline = time.monotonic() + 30
+    while _marked(pool_env[MARK]) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert _marked(pool_env[MARK]) == []
 
 
