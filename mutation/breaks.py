@@ -155,7 +155,7 @@ BREAKS = (
         (
             (
                 "        mismatch = agent_pool.import_env_mismatch("
-                'agent.env, request.get("env", {}))\n',
+                'self.env, request.get("env", {}))\n',
                 "        mismatch = None\n",
             ),
         ),

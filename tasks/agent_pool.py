@@ -134,11 +134,11 @@ def claim(
 # -- the pool's side -----------------------------------------------------------------------------
 @dataclass
 class Parked:
-    """One agent the pool started: its process, our end of its socket, what it imported."""
+    """One agent the pool started: its process, our end of its socket, what it imported
+    (its environment is the pool's own, ``AgentPool.env``)."""
 
     proc: subprocess.Popen[bytes]
     sock: socket.socket
-    env: dict[str, str]
     fingerprint: str | None = None  # set when it reports ready
     started: float = field(default_factory=time.monotonic)
 
@@ -179,7 +179,7 @@ class AgentPool:
             stdin=subprocess.DEVNULL,
         )
         theirs.close()
-        self.parked.append(Parked(proc, ours, self.env))
+        self.parked.append(Parked(proc, ours))
         log.info("agent pool: started agent %d", proc.pid)
 
     def _on_agent_message(self, agent: Parked) -> None:
@@ -250,7 +250,7 @@ class AgentPool:
             self._drop(agent, "imported other code than the claim runs: replaced")
             self.last_claim = float("-inf")  # park a fresh one now
             return {"error": "the parked agent imported other code (changed since it parked)"}
-        mismatch = agent_pool.import_env_mismatch(agent.env, request.get("env", {}))
+        mismatch = agent_pool.import_env_mismatch(self.env, request.get("env", {}))
         if mismatch:
             return {"error": f"the parked agent was imported under other settings: {mismatch}"}
         try:
