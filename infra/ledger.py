@@ -19,15 +19,21 @@ when the process is killed first, the next process of the job on that node uploa
 (``recover_orphaned_spools``). A file that is neither sealed nor recovered may miss its last
 events; the reader says so with a ``ledger_incomplete`` mark (see ``read_events``).
 
-Event line format (version 1)::
+Event line format (version 2)::
 
-    {"v": 1, "kind": "span", "name": "train_step", "start": 1.0, "end": 2.0,
-     "attempt": 0, "rank": 0, "step": 7, "attrs": {...}}
-    {"v": 1, "kind": "mark", "name": "failure", "t": 3.0, "attempt": 0, "rank": 0,
-     "step": 7, "attrs": {"cause": "sigkill"}}
+    {"v": 2, "kind": "mark", "name": "clock", "t": 0.5, "mono": 80.5, "attempt": 0,
+     "rank": 0, "attrs": {"host": "node-1", "boot": "...", "pid": 4711}}
+    {"v": 2, "kind": "span", "name": "train_step", "start": 1.0, "end": 2.0,
+     "mono": [81.0, 82.0], "attempt": 0, "rank": 0, "step": 7, "attrs": {...}}
+    {"v": 2, "kind": "mark", "name": "failure", "t": 3.0, "mono": 83.0, "attempt": 0,
+     "rank": 0, "step": 7, "attrs": {"cause": "sigkill"}}
 
-Times are Unix seconds (time.time()) so spans written by different processes of one job
-(the orchestrator and the ranks) share a clock.
+Times are Unix seconds (the process's wall clock, ``infra.clocks.wall``) so spans written by
+different processes of one job (the orchestrator and the ranks) share a clock; ``mono``
+holds the monotonic clock's reading of each, and the first line of every file (``clock``)
+names the process and its host. The reader checks the two clocks against each other and
+across processes before anything is computed from them (infra/clocks.py). Version 1 lines
+(no ``mono``, no ``clock`` line) are still read.
 
 One module on purpose: the writer, the segmented upload, the spool recovery and the reader
 share one on-storage format (the names and offsets above), which is defined here once.
@@ -46,12 +52,12 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
 
-from infra import processes, storage
+from infra import clocks, processes, storage
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +98,11 @@ class Mark(StrEnum):
     ATTEMPT_START = "attempt_start"
     STANDBY_READY = "standby_ready"  # a warm standby finished its init and parked
     PROMOTED = "promoted"  # ...and was promoted: the job's time for it starts here
+    STANDBY_LOST = "standby_lost"  # ...or died before it was needed (the orchestrator saw it)
     IN_PROCESS_RESTART = "in_process_restart"  # an exception in a step, recovered in place
     CHECKPOINT_INTERVAL = "checkpoint_interval"  # the interval chosen, and why
     FAILURE = "failure"
-    RESUME = "resume"
+    RESUME = "resume"  # training state loaded: from which checkpoint, and what was skipped
     CHECKPOINT_COMMITTED = "checkpoint_committed"
     CHECKPOINT_FAILED = "checkpoint_failed"
     ANCHOR_COMMITTED = "anchor_committed"
@@ -105,6 +112,9 @@ class Mark(StrEnum):
     # Made by the reader, never written: this file's writer neither sealed it nor had its
     # spool recovered, so events after this instant (its last one) may be missing.
     LEDGER_INCOMPLETE = "ledger_incomplete"
+    # The first line of every file: its process and clock (infra/clocks.py). Consumed by
+    # the reader, never passed on as an event.
+    CLOCK = "clock"
 
 
 JOB_SPANS = (Span.SCHEDULING, Span.LAUNCHER_INIT, Span.SHUTDOWN)
@@ -135,6 +145,10 @@ class Event:
     rank: int
     step: int | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
+    # Where it was read from: the monotonic readings of its times, its file and line.
+    mono: tuple[float, float] | None = field(default=None, compare=False, repr=False)
+    source: str = field(default="", compare=False, repr=False)
+    seq: int = field(default=0, compare=False, repr=False)
 
     @property
     def duration(self) -> float:
@@ -164,6 +178,9 @@ def _attrs_json(attrs: dict[str, Any]) -> str:
     return "{" + ",".join(fields) + "}"
 
 
+VERSION = 2
+
+
 def _line(
     kind: str,
     name: str,
@@ -178,7 +195,7 @@ def _line(
     step_field = "" if step is None else f',"step":{int(step)}'
     attrs_field = f',"attrs":{_attrs_json(attrs)}' if attrs else ""
     return (
-        f'{{"v":1,"kind":"{kind}","name":"{name}",{times},"attempt":{attempt},'
+        f'{{"v":{VERSION},"kind":"{kind}","name":"{name}",{times},"attempt":{attempt},'
         f'"rank":{rank}{step_field}{attrs_field}}}\n'
     ).encode()
 
@@ -195,19 +212,21 @@ class _Span:
     """The context manager of ``Ledger.span``: a plain class, as a generator-based one costs
     several times more on the training step's path."""
 
-    __slots__ = ("_ledger", "_name", "_step", "_start", "attrs")
+    __slots__ = ("_ledger", "_name", "_step", "_start", "_mono", "attrs")
 
     def __init__(self, ledger: Ledger, name: str, step: int | None, attrs: dict[str, Any]):
         self._ledger, self._name, self._step, self.attrs = ledger, name, step, attrs
-        self._start = 0.0
+        self._start = self._mono = 0.0
 
     def __enter__(self) -> dict[str, Any]:
-        self._start = self._ledger.clock()
+        led = self._ledger
+        self._start, self._mono = led.clock(), led._read_mono()
         return self.attrs
 
     def __exit__(self, *exc: object) -> None:
         led = self._ledger
-        led._write_span(self._name, self._start, led.clock(), self._step, self.attrs)
+        end, mono = led.clock(), led._read_mono()
+        led._write_span(self._name, self._start, end, self._step, self.attrs, (self._mono, mono))
 
 
 def ledger_url(job_url: str) -> str:
@@ -345,6 +364,11 @@ class Ledger:
     ``role`` separates writers that share an attempt and rank: the trainer ("trainer"),
     the orchestrator ("orchestrator"), the publisher ("publish"). On object storage
     ``sync_every_s`` is how often the uploader thread stores new events.
+
+    Every time is read from ``clock`` (the process's wall clock) and, with the default
+    clock, from the monotonic clock beside it (infra/clocks.py checks one against the
+    other). A test's own ``clock`` writes no monotonic readings. ``clock_attrs`` go into
+    the file's first line (``clock``), beside the process's host and pid.
     """
 
     def __init__(
@@ -353,12 +377,14 @@ class Ledger:
         attempt: int = 0,
         rank: int = 0,
         role: str = "trainer",
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = clocks.wall,
         sync_every_s: float = 10.0,
+        clock_attrs: dict[str, Any] | None = None,
     ) -> None:
         self.attempt = attempt
         self.rank = rank
         self.clock = clock
+        self._mono: Callable[[], float] | None = time.monotonic if clock is clocks.wall else None
         name = _file_name(attempt, rank, role)
         self.url = storage.join(ledger_url(job_url), name)
         self._lock = threading.Lock()
@@ -382,6 +408,9 @@ class Ledger:
                 target=self._upload_loop, args=(sync_every_s,), name=f"ledger-{name}", daemon=True
             )
             self._uploader.start()
+        # A test's clock is left alone: its readings are the test's timeline.
+        at = None if self._mono is not None else 0.0
+        self.mark(Mark.CLOCK, t=at, **clocks.identity(), **(clock_attrs or {}))
 
     # -- writing ----------------------------------------------------------------------------
     def _write(self, line: bytes) -> None:
@@ -390,19 +419,37 @@ class Ledger:
                 return
             os.write(self._fd, line)
 
+    def _read_mono(self) -> float:
+        return self._mono() if self._mono is not None else 0.0
+
+    def _mono_of(self, t: float) -> float:
+        """The monotonic reading of a wall time ``t`` of this process (now: offset applied)."""
+        assert self._mono is not None
+        return self._mono() - (self.clock() - t)
+
     def _write_span(
-        self, name: str, start: float, end: float, step: int | None, attrs: dict[str, Any]
+        self,
+        name: str,
+        start: float,
+        end: float,
+        step: int | None,
+        attrs: dict[str, Any],
+        mono: tuple[float, float] | None,
     ) -> None:
         times = f'"start":{_time(start)},"end":{_time(end)}'
+        if self._mono is not None and mono is not None:
+            times += f',"mono":[{_time(mono[0])},{_time(mono[1])}]'
         self._write(_line("span", name, times, self.attempt, self.rank, step, attrs))
 
     def record_span(
         self, name: str, start: float, end: float, step: int | None = None, **attrs: Any
     ) -> None:
-        """Record a span that already happened (e.g. measured by another process)."""
+        """Record a span that already happened (e.g. measured by another process): its
+        times are this process's wall clock, read earlier."""
         if name not in SPAN_NAMES:
             raise ValueError(f"unknown span name {name!r}; known: {sorted(SPAN_NAMES)}")
-        self._write_span(name, start, end, step, attrs)
+        mono = (self._mono_of(start), self._mono_of(end)) if self._mono is not None else None
+        self._write_span(name, start, end, step, attrs, mono)
 
     def span(self, name: str, step: int | None = None, **attrs: Any) -> _Span:
         """Time a block (``with ledger.span("eval") as attrs:``); the dict it yields
@@ -414,10 +461,18 @@ class Ledger:
     def mark(
         self, name: str, step: int | None = None, t: float | None = None, **attrs: Any
     ) -> None:
-        """Record an instant: a failure, a resume, a committed checkpoint, a recompile."""
+        """Record an instant: a failure, a resume, a committed checkpoint, a recompile.
+        ``t`` (this process's wall clock) when it happened earlier than now."""
         if name not in MARK_NAMES:
             raise ValueError(f"unknown mark name {name!r}; known: {sorted(MARK_NAMES)}")
-        times = f'"t":{_time(self.clock() if t is None else t)}'
+        if t is None:
+            t = self.clock()
+            mono = self._read_mono()
+        else:
+            mono = self._mono_of(t) if self._mono is not None else 0.0
+        times = f'"t":{_time(t)}'
+        if self._mono is not None:
+            times += f',"mono":{_time(mono)}'
         self._write(_line("mark", name, times, self.attempt, self.rank, step, attrs))
 
     # -- storing (object storage) -------------------------------------------------------------
@@ -472,18 +527,22 @@ class Ledger:
 
 
 # -- reading --------------------------------------------------------------------------------
-def parse_lines(text: str, source: str = "<ledger>") -> list[Event]:
-    """Parse ledger lines, skipping (and logging) torn or malformed ones."""
+def parse_lines(text: str, source: str = "<ledger>", name: str = "") -> list[Event]:
+    """Parse ledger lines, skipping (and logging) torn or malformed ones. ``name`` (the
+    file's name) becomes each event's ``source``, with its line number as ``seq``."""
     events: list[Event] = []
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
+            mono = rec.get("mono")
             if rec["kind"] == "span":
                 start, end = float(rec["start"]), float(rec["end"])
+                mono = None if mono is None else (float(mono[0]), float(mono[1]))
             else:
                 start = end = float(rec["t"])
+                mono = None if mono is None else (float(mono), float(mono))
             events.append(
                 Event(
                     kind=rec["kind"],
@@ -494,9 +553,12 @@ def parse_lines(text: str, source: str = "<ledger>") -> list[Event]:
                     rank=int(rec.get("rank", 0)),
                     step=rec.get("step"),
                     attrs=rec.get("attrs") or {},
+                    mono=mono,
+                    source=name,
+                    seq=lineno - 1,
                 )
             )
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, IndexError):
             log.warning("skipping unreadable ledger line %s:%d (torn write?)", source, lineno)
     return events
 
@@ -583,18 +645,86 @@ def _incomplete_mark(file: LedgerFile, events: list[Event]) -> Event:
     )
 
 
-def read_events(job_url: str) -> list[Event]:
-    """All events of a job, from every attempt, rank and role, sorted by start time.
+def _process_clock(name: str, lines: list[Event]) -> clocks.ProcessClock | None:
+    """A file's ``clock`` lines as one ProcessClock; None for a file without any (written
+    before version 2)."""
+    if not lines:
+        return None
+    attrs: dict[str, Any] = {}
+    for line in lines:
+        attrs |= line.attrs
+    ahead = attrs.get("ahead")
+    first = lines[0]
+    return clocks.ProcessClock(
+        source=name,
+        domain=clocks.domain_of(attrs),
+        monotonic=first.mono is not None,
+        ahead={str(k): float(v) for k, v in ahead.items()} if isinstance(ahead, dict) else {},
+        opened=None if first.mono is None else (first.start, first.mono[0]),
+    )
+
+
+@dataclass(frozen=True)
+class LedgerRead:
+    """A job's events, checked and on one clock (infra/clocks.py), and what the check found."""
+
+    events: list[Event]
+    clock: clocks.ClockCheck
+
+
+def _read_raw(
+    job_url: str,
+) -> tuple[list[Event], dict[str, clocks.ProcessClock], list[LedgerFile]]:
+    """Every file's events as written, each file's ``clock`` lines, and the files that may
+    miss their last events."""
+    events: list[Event] = []
+    process_clocks: dict[str, clocks.ProcessClock] = {}
+    incomplete: list[LedgerFile] = []
+    for file in read_files(job_url):
+        found = parse_lines(file.data.decode("utf-8", errors="replace"), file.url, file.name)
+        header = [e for e in found if e.name == Mark.CLOCK]
+        if (process := _process_clock(file.name, header)) is not None:
+            process_clocks[file.name] = process
+        events += [e for e in found if e.name != Mark.CLOCK]
+        if file.incomplete:
+            incomplete.append(file)
+    return events, process_clocks, incomplete
+
+
+def read_ledger(job_url: str) -> LedgerRead:
+    """All events of a job, from every attempt, rank and role, sorted by start time, after
+    the clock checks of infra/clocks.py (each file's ``clock`` lines are consumed there).
 
     A file that may miss its last events (``LedgerFile.incomplete``) adds the reader's
     ``ledger_incomplete`` mark at its last event, so the ETT calculator can tell time it
     did not see from time that it saw pass without events.
     """
-    events: list[Event] = []
-    for file in read_files(job_url):
-        found = parse_lines(file.data.decode("utf-8", errors="replace"), source=file.url)
-        events.extend(found)
-        if file.incomplete and found:
-            events.append(_incomplete_mark(file, found))
+    events, process_clocks, incomplete = _read_raw(job_url)
+    events, check = clocks.align(events, process_clocks)
+    for file in incomplete:
+        mine = [e for e in events if e.source == file.name]
+        if mine:
+            events.append(_incomplete_mark(file, mine))
     events.sort(key=lambda e: (e.start, e.end))
-    return events
+    return LedgerRead(events, check)
+
+
+def domains_ahead(job_url: str, now: Callable[[], float] = clocks.wall) -> dict[str, float]:
+    """Other hosts whose part of this job's ledger ends in this process's future, and how
+    far their clocks run ahead at least: what an orchestrator resuming the job records in
+    its first ``clock`` line (infra/clocks.py, rule 4). This host's own earlier processes
+    are aligned by its monotonic clock instead."""
+    events, process_clocks, _ = _read_raw(job_url)
+    as_measured = {name: replace(c, ahead={}) for name, c in process_clocks.items()}
+    aligned, _ = clocks.align(events, as_measured)
+    latest: dict[str, float] = {}
+    for e in aligned:
+        if (c := process_clocks.get(e.source)) is not None:
+            latest[c.domain] = max(latest.get(c.domain, e.end), e.end)
+    latest.pop(clocks.domain_of(clocks.identity()), None)
+    return clocks.measure_ahead(latest, now)
+
+
+def read_events(job_url: str) -> list[Event]:
+    """``read_ledger(job_url).events``: every event of a job, checked and on one clock."""
+    return read_ledger(job_url).events

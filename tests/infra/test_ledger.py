@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -63,7 +64,9 @@ def test_span_and_mark_roundtrip_with_fake_clock(tmp_path) -> None:
 
 
 def test_lines_are_the_documented_json_records(tmp_path) -> None:
-    """The hand-formatted lines parse to exactly the records of the module docstring."""
+    """The hand-formatted lines parse to exactly the records of the module docstring: a
+    ``clock`` line naming the process first, then the events (a test's own clock writes no
+    monotonic readings)."""
     url = str(tmp_path / "job")
     t = 1764500000.123456789  # a float whose repr needs all 17 digits
     with Ledger(url, attempt=1, rank=3, clock=lambda: t) as led:
@@ -74,9 +77,18 @@ def test_lines_are_the_documented_json_records(tmp_path) -> None:
         with pytest.raises(ValueError, match="finite"):
             led.record_span("eval", 0.0, float("nan"))
     path = tmp_path / "job" / "ledger" / "trainer-attempt001-rank003.jsonl"
-    span, mark = (json.loads(line) for line in path.read_text().splitlines())
+    clock, span, mark = (json.loads(line) for line in path.read_text().splitlines())
+    assert clock == {
+        "v": 2,
+        "kind": "mark",
+        "name": "clock",
+        "t": 0.0,
+        "attempt": 1,
+        "rank": 3,
+        "attrs": {"host": socket.gethostname(), "boot": clock["attrs"]["boot"], "pid": os.getpid()},
+    }
     assert span == {
-        "v": 1,
+        "v": 2,
         "kind": "span",
         "name": "eval",
         "start": 1e-05,
@@ -87,7 +99,7 @@ def test_lines_are_the_documented_json_records(tmp_path) -> None:
         "attrs": {"auc": 0.75, "note": 'quote " and \\ slash', "path": "/x"},
     }
     assert mark == {
-        "v": 1,
+        "v": 2,
         "kind": "mark",
         "name": "failure",
         "t": t,
@@ -189,7 +201,8 @@ def test_object_storage_gets_appended_segments_not_rewrites() -> None:
         "000000000000",
         f"{len(storage.read_bytes(f'{led.url}/{first}')):012d}",
     )
-    assert [e.name for e in parse_lines(storage.read_text(f"{led.url}/{first}"))] == ["scheduling"]
+    names = [e.name for e in parse_lines(storage.read_text(f"{led.url}/{first}"))]
+    assert names == ["clock", "scheduling"]
     assert [e.name for e in parse_lines(storage.read_text(f"{led.url}/{second}"))] == [
         "launcher_init"
     ]
@@ -332,22 +345,25 @@ def test_events_survive_sigkill(tmp_path) -> None:
     assert [e.step for e in events] == list(range(1, len(events) + 1))
     path = tmp_path / "job" / "ledger" / "trainer-attempt000-rank000.jsonl"
     lines = path.read_text().splitlines()
-    assert all(json.loads(line)["name"] == "train_step" for line in lines[: n - 1])
+    records = [json.loads(line) for line in lines[1:n]]
+    assert json.loads(lines[0])["name"] == "clock"
+    assert all(r["name"] == "train_step" and len(r["mono"]) == 2 for r in records)
 
 
 KILLED_WRITER = textwrap.dedent(
     """
-    import os, signal, sys
+    import os, signal, sys, time
     import infra.ledger
     from infra.ledger import Ledger
     infra.ledger.FIRST_SYNC_S = 3600.0  # only the explicit sync below uploads
+    t0 = time.time() - 10.0  # steps that ended before now, on this process's clock
     for job in sys.argv[1:]:
         led = Ledger(job, sync_every_s=3600.0)
         for step in range(1, 4):
-            led.record_span("train_step", float(step), step + 0.5, step=step)
+            led.record_span("train_step", t0 + step, t0 + step + 0.5, step=step)
         assert led.sync()
         for step in range(4, 8):
-            led.record_span("train_step", float(step), step + 0.5, step=step)
+            led.record_span("train_step", t0 + step, t0 + step + 0.5, step=step)
         os.write(led._fd, b'{"v":1,"kind":"span","name":"train_st')  # killed mid-line
         print(os.path.dirname(led._local), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -372,7 +388,8 @@ def test_a_killed_writers_spool_is_recovered_by_the_next_process(s3_server: str)
     spool, other_spool = (Path(p) for p in proc.stdout.split())
     before = read_events(job)
     assert [e.step for e in before if e.name == "train_step"] == [1, 2, 3]
-    assert before[-1].name == "ledger_incomplete" and before[-1].start == 3.5
+    # The mark stands at the end of the last event stored: step 3's.
+    assert before[-1].name == "ledger_incomplete" and before[-1].start == before[-2].end
 
     with Ledger(job, attempt=1, clock=_ticking(), sync_every_s=3600.0) as live:
         live.mark("attempt_start")
@@ -393,12 +410,13 @@ def test_a_killed_writers_spool_is_recovered_by_the_next_process(s3_server: str)
 
 EXITS_WITHOUT_CLOSING = textwrap.dedent(
     """
-    import sys
+    import sys, time
     from infra.ledger import Ledger
+    t0 = time.time() - 10.0  # steps that ended before now, on this process's clock
     for job in sys.argv[1:]:
         led = Ledger(job, sync_every_s=3600.0)
         for step in range(1, 4):
-            led.record_span("train_step", float(step), step + 0.5, step=step)
+            led.record_span("train_step", t0 + step, t0 + step + 0.5, step=step)
         print(led._local, flush=True)
     """
 )
