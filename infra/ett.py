@@ -24,6 +24,12 @@ and one never promoted is dropped whole, even one ended before it parked (its
 ``attempt_start`` mark says ``standby``). Its Time to Recover runs, as for any failure,
 from the failed attempt's last event to the promoted attempt's first step.
 
+A standby that dies before it is needed (``standby_lost``, marked by the orchestrator, which
+starts another behind it) is listed as lost and is none of the job's time: not startup, not
+a failure. An attempt that trained is never dropped: an attempt number that a ledger of an
+older version reused for a cold relaunch after its standby died counts from that cold
+``attempt_start`` (from its first step when even that is missing).
+
 In-process restart: an ``in_process_restart`` mark is a failure inside a living attempt.
 Its recovery window runs from the mark to the attempt's next train_step; the steps redone
 after it are wasted as usual (the same step number runs again later in the same attempt).
@@ -38,6 +44,18 @@ failure mark, when the orchestrator saw it dead; that death is the failure's ``d
 so recovery starts there. It outranks the inferred windows (recovery, startup), which would
 otherwise claim it, and yields to every observed span; it counts in Idleness%.
 
+Recovery actions: every ``resume`` mark (rank 0) is one restore of training state: a cold
+attempt, a promoted standby or an in-process restart, from which checkpoint, and which newer
+ones it skipped as corrupt (and quarantined). Steps redone because a fallback went back past
+a newer committed checkpoint are counted apart (``fallback_redone_s``, a part of
+``wasted_training``): the executions, before that resume, of the steps between the
+checkpoint loaded and the newest one skipped.
+
+Times are checked before any of this (infra/clocks.py, through ``read_ledger``): a time
+that disagrees with its process's monotonic clock, or an event outside its process's life,
+never stretches W; the report says what was rejected and which clock offsets were
+corrected.
+
 One module on purpose: the windows, the priority sweep and the report derived from it are one
 algorithm with one invariant (the buckets partition W exactly); its spec is this docstring.
 """
@@ -50,8 +68,9 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from infra.clocks import ClockCheck
 from infra.exit_codes import Outcome
-from infra.ledger import INIT_SPANS, PUBLISH_SPANS, Event, Mark, Span, read_events
+from infra.ledger import INIT_SPANS, PUBLISH_SPANS, Event, Mark, Span, read_ledger
 
 BUCKETS = (
     "effective_training",
@@ -91,6 +110,49 @@ class StandbyRecord:
     prewarm_s: float  # its first event -> parked (standby_ready)
     parked_s: float  # parked -> promoted
     promoted_at: float  # seconds from W's start
+
+
+@dataclass(frozen=True)
+class LostStandby:
+    """A warm standby that died before it was needed; another was started behind it."""
+
+    attempt: int
+    lost_at: float  # seconds from W's start, when the orchestrator saw it gone
+    parked: bool  # it had finished its init and parked
+    cause: str
+
+
+@dataclass(frozen=True)
+class ResumeRecord:
+    """One restore of training state (a ``resume`` mark of rank 0)."""
+
+    attempt: int
+    at: float  # seconds from W's start
+    step: int
+    how: str  # cold | promoted | in_process
+    url: str
+    newest_step: int | None  # the newest committed checkpoint when it looked
+    skipped: tuple[tuple[int, str, bool], ...] = ()  # (step, why, quarantined), newest first
+
+    def describe(self) -> str:
+        """``attempt 2 (promoted standby) resumed from step 125, newest 150 quarantined:
+        checksum mismatch in __1_0.distcp``."""
+        who = {"promoted": "promoted standby", "in_process": "in process"}.get(self.how, "cold")
+        text = f"attempt {self.attempt} ({who}) resumed from step {self.step}"
+        for step, why, quarantined in self.skipped:
+            verb = "quarantined" if quarantined else "skipped"
+            text += f", step {step} {verb}: {why}"
+        return text
+
+
+def short_reason(reason: str) -> str:
+    """A checkpoint error without the checkpoint's URL, which the record names already:
+    ``checkpoint s3://b/j/step-000000150 is corrupt: checksum mismatch in x`` -> ``checksum
+    mismatch in x``."""
+    for marker in (" is corrupt: ", " is "):
+        if reason.startswith("checkpoint ") and marker in reason:
+            return reason.split(marker, 1)[1]
+    return reason
 
 
 @dataclass(frozen=True)
@@ -169,6 +231,10 @@ class EttReport:
     finished: bool
     standbys: tuple[StandbyRecord, ...] = ()
     checkpoint_interval_reason: str | None = None  # the last interval the trainer chose
+    lost_standbys: tuple[LostStandby, ...] = ()
+    resumes: tuple[ResumeRecord, ...] = ()
+    fallback_redone_s: float = 0.0  # of wasted_training: redone because a fallback went back
+    clock: ClockCheck = field(default_factory=ClockCheck)
     segments: tuple[tuple[float, float, str], ...] = field(repr=False, default=())
 
     def bucket_pct(self) -> dict[str, float]:
@@ -195,7 +261,8 @@ class EttReport:
 
 def report_for_job(job_url: str, interval_s: float | None = None) -> EttReport:
     """Read a job's ledger (every attempt, rank and role) and compute its report."""
-    return compute_report(read_events(job_url), interval_s=interval_s)
+    read = read_ledger(job_url)
+    return compute_report(read.events, interval_s=interval_s, clock=read.clock)
 
 
 def _median(xs: list[float]) -> float | None:
@@ -389,16 +456,30 @@ def _failures(
     return out, windows
 
 
-def _drop_standby_prewarm(events: list[Event]) -> tuple[list[Event], list[StandbyRecord]]:
+def _drop_standby_prewarm(
+    events: list[Event],
+) -> tuple[list[Event], list[StandbyRecord], list[tuple[Event, bool]]]:
     """A standby's events before its promotion are not the job's; a never-promoted standby's
-    are none of the job's (see the module docstring). Promotion times are absolute here."""
+    are none of the job's (see the module docstring), unless it trained. Returns the job's
+    events, the promoted standbys (promotion times absolute) and the lost ones (their
+    ``standby_lost`` mark, and whether they had parked)."""
     ready = {e.attempt: e.start for e in events if e.name == Mark.STANDBY_READY and e.rank == 0}
-    standby = set(ready) | {
+    lost = {e.attempt: e for e in events if e.name == Mark.STANDBY_LOST}
+    standby = set(ready) | set(lost)
+    standby |= {
         e.attempt for e in events if e.name == Mark.ATTEMPT_START and e.attrs.get("standby")
     }
     if not standby:
-        return events, []
+        return events, [], []
     promoted = {e.attempt: e.start for e in events if e.name == Mark.PROMOTED and e.rank == 0}
+    cuts: dict[int, float] = dict(promoted)
+    for e in events:  # a number reused by a cold relaunch: the job's part starts there
+        cold = e.name == Mark.ATTEMPT_START and not e.attrs.get("standby") and e.rank == 0
+        if cold and e.attempt in standby and e.attempt not in promoted:
+            cuts[e.attempt] = max(cuts.get(e.attempt, e.start), e.start)
+    for e in events:  # it trained: never dropped, whatever its marks say
+        if e.name == Span.TRAIN_STEP and e.attempt in standby and e.attempt not in cuts:
+            cuts[e.attempt] = e.start - 1e-9
     firsts: dict[int, float] = {}
     for e in events:
         if e.attempt in ready:
@@ -406,14 +487,57 @@ def _drop_standby_prewarm(events: list[Event]) -> tuple[list[Event], list[Standb
     kept = [
         e
         for e in events
-        if e.attempt not in standby or (e.attempt in promoted and e.end > promoted[e.attempt])
+        if e.attempt not in standby or (e.attempt in cuts and e.end > cuts[e.attempt])
     ]
     records = [
         StandbyRecord(a, ready[a] - firsts[a], promoted[a] - ready[a], promoted[a])
         for a in sorted(promoted)
         if a in ready
     ]
-    return kept, records
+    gone = [(lost[a], a in ready) for a in sorted(lost) if a not in cuts]
+    return kept, records, gone
+
+
+def _resumes(job: list[Event], t0: float) -> list[ResumeRecord]:
+    """Every restore of training state by rank 0, with what it skipped on the way."""
+    out = []
+    for e in sorted((e for e in job if e.name == Mark.RESUME), key=lambda e: e.start):
+        how = str(e.attrs.get("how") or ("in_process" if e.attrs.get("in_process") else "cold"))
+        skipped = tuple(
+            (int(s["step"]), short_reason(str(s.get("reason", ""))), bool(s.get("quarantined")))
+            for s in e.attrs.get("skipped") or ()
+        )
+        newest = e.attrs.get("newest_step")
+        out.append(
+            ResumeRecord(
+                attempt=e.attempt,
+                at=e.start - t0,
+                step=int(e.step or 0),
+                how=how,
+                url=str(e.attrs.get("url", "")),
+                newest_step=None if newest is None else int(newest),
+                skipped=skipped,
+            )
+        )
+    return out
+
+
+def _fallback_redone(resumes: list[ResumeRecord], wasted: list[Event], t0: float) -> float:
+    """Redone because a fallback went back past a newer commit: the executions, before the
+    resume, of the steps after the checkpoint loaded up to the newest one skipped."""
+    total = []
+    counted: set[int] = set()
+    for r in resumes:
+        if not r.skipped:
+            continue
+        newest = max(step for step, _, _ in r.skipped)
+        for e in wasted:
+            if id(e) in counted or e.step is None or e.start - t0 >= r.at:
+                continue
+            if r.step < e.step <= newest:
+                counted.add(id(e))
+                total.append(e.duration)
+    return math.fsum(total)
 
 
 def _in_process_failures(
@@ -443,9 +567,12 @@ def _in_process_failures(
     return out, windows
 
 
-def compute_report(events: list[Event], interval_s: float | None = None) -> EttReport:
-    """Partition W and derive the L1 metrics; ``interval_s`` overrides the observed interval."""
-    events, standbys = _drop_standby_prewarm(events)
+def compute_report(
+    events: list[Event], interval_s: float | None = None, clock: ClockCheck | None = None
+) -> EttReport:
+    """Partition W and derive the L1 metrics; ``interval_s`` overrides the observed interval,
+    ``clock`` is what the reader's clock checks found (infra/clocks.py)."""
+    events, standbys, lost = _drop_standby_prewarm(events)
     job = [e for e in events if e.rank == 0 and e.name not in OFF_JOB_SPANS]
     if not job:
         raise ValueError("no rank-0 events in the ledger: nothing to account for")
@@ -496,6 +623,7 @@ def compute_report(events: list[Event], interval_s: float | None = None) -> EttR
     fail = 100.0 * math.fsum(buckets[b] for b in FAILURE_BUCKETS) / wall if wall > 0 else 0.0
 
     # -- L1 and checkpoint metrics --------------------------------------------------------
+    resumes = _resumes(job, t0)
     durations = [e.duration for e in steps]
     med = _median(durations)
     # One checkpoint may block twice (the save call, then the wait for its staging copy
@@ -570,4 +698,11 @@ def compute_report(events: list[Event], interval_s: float | None = None) -> EttR
             ),
             None,
         ),
+        lost_standbys=tuple(
+            LostStandby(m.attempt, m.start - t0, parked, str(m.attrs.get("cause", "unknown")))
+            for m, parked in lost
+        ),
+        resumes=tuple(resumes),
+        fallback_redone_s=_fallback_redone(resumes, [e for e in steps if id(e) not in kept], t0),
+        clock=clock or ClockCheck(),
     )

@@ -60,6 +60,7 @@ def sections(r: EttReport, mfu: MfuReport | None = None) -> list[tables.Section]
         ["Number of Failures", str(r.num_failures)],
         ["Time to Recover (total)", _s(r.time_to_recover_total_s)],
         ["Observed unsaved training", _s(r.observed_unsaved_s)],
+        ["  of which redone after a checkpoint fallback", _s(r.fallback_redone_s)],
         ["Predicted unsaved (failures x interval/2)", _s(r.predicted_unsaved_s)],
         ["Checkpoint blocking (total)", _s(r.checkpoint_blocking_total_s)],
         ["Checkpoint blocking (mean)", _s(r.checkpoint_blocking_mean_s)],
@@ -125,7 +126,28 @@ def sections(r: EttReport, mfu: MfuReport | None = None) -> list[tables.Section]
     ]
     if mfu is not None:
         sections.insert(2, ("Model efficiency", ["metric", "value"], _efficiency(mfu)))
+    # Said only when there is something to say: what recovery did, and times not believed.
+    if recovered := recovery_lines(r):
+        sections.insert(1, ("What recovery did", ["what"], [[line] for line in recovered]))
+    if notes := r.clock.notes():
+        sections.insert(1, ("Ledger checks", ["finding"], [[line] for line in notes]))
     return sections
+
+
+def recovery_lines(r: EttReport) -> list[str]:
+    """Every restore of training state and every standby lost, in the order they happened
+    (``attempt 2 (promoted standby) resumed from step 125, step 150 quarantined: ...``)."""
+    timed = [(res.at, res.describe()) for res in r.resumes]
+    timed += [
+        (
+            lost.lost_at,
+            f"standby attempt {lost.attempt} lost while "
+            f"{'parked' if lost.parked else 'starting'} ({lost.cause}) at {lost.lost_at:.1f} s; "
+            "another was started",
+        )
+        for lost in r.lost_standbys
+    ]
+    return [text for _, text in sorted(timed)]
 
 
 def format_table(report: EttReport, mfu: MfuReport | None = None) -> str:
@@ -141,6 +163,8 @@ def to_markdown(report: EttReport, mfu: MfuReport | None = None) -> str:
         f"Wall time {report.wall_s:.1f} s; idleness {report.idleness_pct:.1f}%, "
         f"failure {report.failure_pct:.1f}%, {report.num_failures} failure(s).",
     ]
+    if not report.clock.clean:
+        head += ["", f"**Ledger checks:** {report.clock.notes()[0]}"]
     return "\n".join(head) + "\n" + tables.to_markdown(sections(report, mfu))
 
 

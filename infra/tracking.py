@@ -31,8 +31,8 @@ from mlflow.utils import mlflow_tags
 
 from infra.ett import EttReport, compute_report
 from infra.ett_metrics import eval_rows, history_metrics, report_metrics, training_curves
-from infra.ett_report import format_table, plot_breakdown, to_markdown
-from infra.ledger import Event, Mark, Span, ledger_url, read_events, read_files
+from infra.ett_report import format_table, plot_breakdown, recovery_lines, to_markdown
+from infra.ledger import Event, Mark, Span, ledger_url, read_events, read_files, read_ledger
 from infra.mlflow_client import client, ensure_experiment
 from infra.run_metadata import holdout_dataset, job_params, redact_url, source_tags
 from infra.settings import JobConfig
@@ -48,6 +48,7 @@ OUTCOME_TAG = "ett.outcome"
 EXIT_CODE_TAG = "ett.exit_code"
 PARENT_TAG = mlflow_tags.MLFLOW_PARENT_RUN_ID
 FLEET_RUN_NAME = "fleet-report"
+TAG_LIMIT = 5000  # characters MLflow keeps of a tag value
 
 _run_uris: dict[str, str] = {}  # run id -> tracking URI, for runs started by this process
 
@@ -274,6 +275,11 @@ def log_job_report(
     metrics = [Metric(k, v, at, 0) for k, v in scalars.items()]
     metrics += history_metrics(report, at) + training_curves(events)
     tags = {JOB_URL_TAG: redact_url(job_url), "ett.finished": str(report.finished).lower()}
+    # What recovery did and what the ledger checks found: one line each, in the run's tags.
+    if recovered := recovery_lines(report):
+        tags["ett.recovery"] = "\n".join(recovered)[:TAG_LIMIT]
+    if notes := report.clock.notes():
+        tags["ett.ledger_checks"] = "\n".join(notes)[:TAG_LIMIT]
     ml.log_batch(run_id, metrics=metrics, tags=[RunTag(k, v) for k, v in tags.items()])
     rows = eval_rows(events)
     if data_url and rows:
@@ -324,8 +330,9 @@ def log_job(
     attempt not logged yet, the ETT report, the curves and the artifacts. Returns the run id
     and the scalar metrics. This is how a job that ran while MLflow was down gets logged."""
     uri, job_url = config.tracking.mlflow_uri, config.job_url
-    events = read_events(job_url)
-    report = compute_report(events)
+    read = read_ledger(job_url)
+    events = read.events
+    report = compute_report(events, clock=read.clock)
     run_id = run_id or start_job_run(config)
     ml = client(uri)
     logged = _logged_attempts(ml, run_id)

@@ -326,7 +326,13 @@ class Initializer:
 
     def restore(self, attrs: dict[str, Any]) -> None:
         self.resume = restore_model(
-            self.config, self.env, self.model, self.optimizer, self.ledger, self.checkpoint_group
+            self.config,
+            self.env,
+            self.model,
+            self.optimizer,
+            self.ledger,
+            self.checkpoint_group,
+            promoted=bool(self.promoted_with),
         )
         attrs["resumed_from_step"] = self.resume.step
 

@@ -62,9 +62,12 @@ def restore_model(
     ledger: Ledger,
     group: dist.ProcessGroup,
     in_process: bool = False,
+    promoted: bool = False,
 ) -> Resume:
     """Load the newest usable checkpoint into model, optimizer and RNG; returns where the
-    loop and the data loader continue (the loader itself is left alone)."""
+    loop and the data loader continue (the loader itself is left alone). The ``resume``
+    mark names the checkpoint, how this restore came about (a cold attempt, a ``promoted``
+    standby, an ``in_process`` restart) and every newer checkpoint it skipped, and why."""
     if env.is_main and not in_process:
         purge_uncommitted(config.job_url)
     dist.barrier(group=group)
@@ -79,7 +82,22 @@ def restore_model(
         return Resume()
     apply_loaded(model, optimizer, state, env.rank)
     step = int(restored.extra["step"])
-    ledger.mark(Mark.RESUME, step=step, url=restored.checkpoint.url, in_process=in_process)
+    how = "in_process" if in_process else "promoted" if promoted else "cold"
+    skipped = [s.to_json() for s in restored.skipped]
+    newest = max([step] + [s.step for s in restored.skipped])
+    ledger.mark(
+        Mark.RESUME,
+        step=step,
+        url=restored.checkpoint.url,
+        in_process=in_process,
+        how=how,
+        newest_step=newest,
+        skipped=skipped,
+    )
     if env.is_main:
-        log.info("resumed from %s at step %d", restored.checkpoint.url, step)
+        fell_back = "".join(
+            f"; step {s.step} {'quarantined' if s.quarantined else 'skipped'}: {s.reason}"
+            for s in restored.skipped
+        )
+        log.info("resumed from %s at step %d%s", restored.checkpoint.url, step, fell_back)
     return Resume(step, restored.extra["loader"], restored.checkpoint.url)

@@ -43,10 +43,23 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class Skipped:
+    """A newer committed checkpoint that restore could not use, and what became of it."""
+
+    step: int
+    reason: str
+    quarantined: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "reason": self.reason[:300], "quarantined": self.quarantined}
+
+
+@dataclass(frozen=True)
 class Restored:
     checkpoint: CommittedCheckpoint
     extra: dict[str, Any]  # this rank's JSON state: step, data-loader position
     warm_start: bool = False
+    skipped: tuple[Skipped, ...] = ()  # newer checkpoints found corrupt, newest first
 
 
 def check_compatible(ckpt: CommittedCheckpoint, config: JobConfig, world_size: int) -> None:
@@ -155,13 +168,17 @@ def restore(
         # Every rank has loaded this one, so none still reads the corrupt ones. They are
         # quarantined only now that a good one exists: with none left, the job fails
         # loudly rather than starting over from nothing on its next try.
-        if rank == 0 and config.checkpoint.resume == "latest":
-            for bad, reason in corrupt:
+        skipped = []
+        for bad, reason in corrupt:
+            moved = False
+            if rank == 0 and config.checkpoint.resume == "latest":
                 try:
                     quarantine(bad.url, reason)
+                    moved = True
                 except OSError as exc:  # tried again next time; retention spares new ones
                     log.warning("could not quarantine %s: %s", bad.url, exc)
-        return Restored(ckpt, extra)
+            skipped.append(Skipped(bad.step, reason, moved))  # rank 0 moves it, and says so
+        return Restored(ckpt, extra, skipped=tuple(skipped))
     if corrupt:
         reasons = "\n  ".join(reason for _, reason in corrupt)
         raise CheckpointCorrupt(f"no usable checkpoint:\n  {reasons}")
