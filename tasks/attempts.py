@@ -20,7 +20,12 @@ standby: it initialises (imports, process group, model, compile cache and warm-u
 its control pipe and costs no CPU. When the running attempt fails, the standby is promoted
 (it restores the newest committed checkpoint and trains) and a new standby starts behind it
 once the promoted attempt steps. A standby that is never needed is released (its pipes close)
-and ended.
+and ended. A standby that dies while it waits is marked ``standby_lost`` in the ledger (never
+the job's startup or failure), and another is started behind it; after
+``MAX_STANDBY_LOSSES`` in a row the job goes on without one.
+
+**Attempt numbers are never reused.** Every launch, cold or standby, takes the next number,
+so one attempt's ledger files hold one process group's events only.
 
 **Retry policy.** Preemptions and the first failure of a kind relaunch at once; the same kind
 failing again backs off exponentially (flap protection). Preemptions do not count towards
@@ -40,6 +45,7 @@ ending and exit codes are in infra/ (control.py, processes.py, exit_codes.py).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -51,17 +57,18 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from infra import processes
+from infra import clocks, processes
 from infra.agent_pool import ENV_POOL
 from infra.control import Command, ControlDir, Phase, Progress
 from infra.exit_codes import ExitCode, Outcome, name_of, outcome_of
 from infra.lease import acquire_job_lease
-from infra.ledger import Ledger, Mark, Span, recover_orphaned_spools
+from infra.ledger import Ledger, Mark, Span, domains_ahead, recover_orphaned_spools
 from tasks.agent_pool import PooledLauncher, claim
 
 POLL_S = 0.05  # how often a watched attempt is looked at (a file read and a waitpid)
 TRACK_EVERY_S = 1.0  # how often its process tree is listed (a /proc scan)
 RENDEZVOUS_HOST = "127.0.0.1"
+MAX_STANDBY_LOSSES = 3  # standbys lost in a row before the job goes on without one
 
 Log = logging.Logger | logging.LoggerAdapter[logging.Logger]
 
@@ -146,7 +153,7 @@ class AttemptProcess:
         self.controls = [
             ControlDir(spec.nproc, prefix=f"ett-a{number}-") for _ in range(spec.nnodes)
         ]
-        self.spawned = time.time()
+        self.spawned = clocks.wall()  # the ledger's clock: these times go into it
         self.promoted_at: float | None = None
         self.procs: list[subprocess.Popen[str] | PooledLauncher] = []
         self.pooled = 0  # launchers claimed from the agent pool
@@ -227,7 +234,7 @@ class AttemptProcess:
     # -- acting on it ----------------------------------------------------------------------
     def promote(self, **payload: Any) -> None:
         """Wake a parked standby: it restores the newest committed checkpoint and trains."""
-        self.promoted_at = time.time()
+        self.promoted_at = clocks.wall()
         for control in self.controls:
             control.send(Command.PROMOTE, **payload)
 
@@ -419,21 +426,25 @@ class JobRunner:
     sleep: Callable[[float], None] = time.sleep
 
     def __post_init__(self) -> None:
-        self.job_started_at = time.time()
+        self.job_started_at = clocks.wall()
+        self._numbers = itertools.count(self.first_attempt)  # never reused (module docstring)
         self._standby: AttemptProcess | None = None
+        self._standby_losses = 0  # in a row, since a standby was last promoted
+        self._last_lost: tuple[int, float] | None = None  # the last standby lost, and when
         self._failures = 0
         self._recovered_in_process = 0
         self._settled = False
         self._lease_env: dict[str, str] = {}
+        self._clock_attrs: dict[str, object] = {}  # for the first orchestrator ledger
 
     # -- spawning ----------------------------------------------------------------------------
-    def _spawn(self, number: int, standby: bool) -> AttemptProcess:
+    def _spawn(self, standby: bool) -> AttemptProcess:
         env = {
             **self._lease_env,
             "ETT_JOB_FAILURES": str(self.observed_failures),
             "ETT_JOB_STARTED_AT": repr(self.job_started_at),
         }
-        return AttemptProcess.spawn(self.spec, number, standby, env, self.log)
+        return AttemptProcess.spawn(self.spec, next(self._numbers), standby, env, self.log)
 
     @property
     def observed_failures(self) -> int:
@@ -442,13 +453,49 @@ class JobRunner:
         only the failures that ended an attempt.)"""
         return self._failures + self._recovered_in_process
 
+    @property
+    def _wants_standby(self) -> bool:
+        return self.standby and self._standby_losses < MAX_STANDBY_LOSSES
+
+    def _check_standby(self) -> None:
+        """A standby that died while it waited: mark it lost in the ledger (its own attempt
+        number, the orchestrator's file) and forget it; ``_progress`` starts another."""
+        standby = self._standby
+        if standby is None or (code := standby.poll()) is None:
+            return
+        self._standby = None
+        seen = standby.progress()
+        parked = seen is not None and seen.phase == Phase.PARKED
+        lost_at = clocks.wall()
+        standby.end(0.0, preempt=False)
+        cause = str(outcome_of(code))
+        with Ledger(self.job_url, attempt=standby.number, rank=0, role="orchestrator") as ledger:
+            ledger.mark(Mark.STANDBY_LOST, t=lost_at, cause=cause, exit_code=code, parked=parked)
+        self._standby_losses += 1
+        self._last_lost = (standby.number, lost_at)
+        again = (
+            "starting another"
+            if self._wants_standby
+            else f"{MAX_STANDBY_LOSSES} lost in a row: going on without a standby"
+        )
+        self.log.warning(
+            "standby attempt %d lost while %s (%s); %s",
+            standby.number,
+            "parked" if parked else "starting",
+            name_of(code),
+            again,
+        )
+
     def _progress(self, attempt: AttemptProcess, progress: Progress) -> None:
+        self._check_standby()
         if progress.phase == Phase.TRAINING:
-            if self.standby and self._standby is None:
-                self._standby = self._spawn(attempt.number + 1, standby=True)
+            if self._wants_standby and self._standby is None:
+                self._standby = self._spawn(standby=True)
             if not self._settled:
                 standby = self._standby.progress() if self._standby is not None else None
-                if not self.standby or (standby is not None and standby.phase == Phase.PARKED):
+                if not self._wants_standby or (
+                    standby is not None and standby.phase == Phase.PARKED
+                ):
                     self._settled = True
                     if self.on_settled is not None:
                         self.on_settled()
@@ -457,12 +504,19 @@ class JobRunner:
 
     def watch_attempt(self, attempt: AttemptProcess) -> AttemptReport:
         """Watch one attempt to its end and write the orchestrator's share of the ledger."""
-        ledger = Ledger(self.job_url, attempt=attempt.number, rank=0, role="orchestrator")
+        first = attempt.number == self.first_attempt
+        ledger = Ledger(
+            self.job_url,
+            attempt=attempt.number,
+            rank=0,
+            role="orchestrator",
+            clock_attrs=self._clock_attrs if first else None,
+        )
         try:
-            if self.scheduling is not None and attempt.number == self.first_attempt:
+            if self.scheduling is not None and first:
                 ledger.record_span(Span.SCHEDULING, *self.scheduling)
             code, hung, last = watch(attempt, self.timeouts, lambda p: self._progress(attempt, p))
-            ended = time.time()
+            ended = clocks.wall()
             if code:  # its ranks' unsent ledger events wait in their spools on this node
                 recover_orphaned_spools(self.job_url)
             started = attempt.promoted_at or attempt.spawned
@@ -509,13 +563,23 @@ class JobRunner:
         run_attempt = run_attempt or self.watch_attempt
         reports: list[AttemptReport] = []
         preemptions = repeats = 0
-        number = self.first_attempt
         # One job id, one job: held for the whole job, checked by every trainer group of it
         # (an attempt and its standby). Raises JobLocked while another job holds it.
         lease = acquire_job_lease(self.job_url)
         self._lease_env = lease.env()
         try:
-            current = self._spawn(number, standby=False)
+            if self.first_attempt:  # a resumed job: hosts whose ledger ends in our future
+                ahead = domains_ahead(self.job_url)
+                if ahead:
+                    self._clock_attrs = {"ahead": ahead}
+                    for domain, bound in ahead.items():
+                        self.log.warning(
+                            "the ledger of host %s ends %.1f s in this host's future: its "
+                            "clock runs ahead; the report moves its events back",
+                            domain,
+                            bound,
+                        )
+            current = self._spawn(standby=False)
         except BaseException:
             lease.release()
             raise
@@ -534,7 +598,7 @@ class JobRunner:
                 if report.outcome == Outcome.SUCCESS:
                     return JobOutcome(
                         True,
-                        f"succeeded on attempt {number} after "
+                        f"succeeded on attempt {report.attempt} after "
                         f"{self._failures} failure(s) and {preemptions} "
                         "preemption(s)",
                         tuple(reports),
@@ -567,34 +631,37 @@ class JobRunner:
                             tuple(reports),
                         )
                 delay = self.policy.delay_s(report.outcome, repeats)
-                number += 1
-                current = self._next(number, report, delay)
+                current = self._next(report, delay)
         finally:
             self.release_standby()
             lease.release()
 
-    def _next(self, number: int, report: AttemptReport, delay: float) -> AttemptProcess:
-        """The next attempt: the standby, promoted, or a cold launch."""
-        standby, self._standby = self._standby, None
-        how = "promoting the standby" if standby is not None else "relaunching"
-        self.log.warning(
-            "%s; %s in %.1f s (failures %d/%d)",
-            report.describe(),
-            how,
-            delay,
-            self._failures,
-            self.policy.max_failures,
-        )
+    def _next(self, report: AttemptReport, delay: float) -> AttemptProcess:
+        """The next attempt: the standby, promoted, or a cold launch under a new number."""
         if delay > 0:
+            self.log.warning("%s; relaunching in %.1f s", report.describe(), delay)
             self.sleep(delay)
-        if standby is not None and standby.number == number and standby.poll() is None:
-            standby.promote(
-                failures=self.observed_failures, job_started_at=self.job_started_at, attempt=number
-            )
-            return standby
+        self._check_standby()  # a standby that died meanwhile is lost, not promoted
+        standby, self._standby = self._standby, None
         if standby is not None:
-            standby.release()
-        return self._spawn(number, standby=False)
+            how = f"promoting standby attempt {standby.number}"
+        elif self._last_lost is not None:
+            number, lost_at = self._last_lost
+            when = time.strftime("%H:%M:%S", time.localtime(lost_at))
+            how = f"relaunching cold (standby attempt {number} lost at {when})"
+        else:
+            how = "relaunching cold"
+        failures = f"failures {self._failures}/{self.policy.max_failures}"
+        self.log.warning("%s; %s (%s)", report.describe(), how, failures)
+        if standby is None:
+            return self._spawn(standby=False)
+        standby.promote(
+            failures=self.observed_failures,
+            job_started_at=self.job_started_at,
+            attempt=standby.number,
+        )
+        self._standby_losses = 0
+        return standby
 
     def release_standby(self) -> None:
         """A standby that will not be promoted: close its pipes (it exits) and end it."""
