@@ -104,6 +104,13 @@ def domain_of(attrs: dict[str, Any]) -> str:
     return f"{attrs.get('host', '')}/{attrs.get('boot', '')}"
 
 
+def label(domain: str) -> str:
+    """A domain as a reader names it: ``node-1`` (``node-1, boot 3f2a9c1e`` when the same
+    host appears with another boot)."""
+    host, _, boot = domain.partition("/")
+    return f"{host}, boot {boot[:8]}" if boot else host
+
+
 class Timed(Protocol):
     """What the checks need of a ledger event (infra/ledger.py's Event)."""
 
@@ -177,7 +184,7 @@ class ClockCheck:
                 side = "ahead of" if o.offset_s > 0 else "behind"
                 out.append(f"clock offset: {o.what} ran {abs(o.offset_s):.1f} s {side} {o.how}")
         out += [
-            f"clock offset: host {h} has no measured offset: its times are taken as written"
+            f"clock offset: host {label(h)} has no measured offset: its times are taken as written"
             for h in self.unaligned
         ]
         return out
@@ -325,7 +332,8 @@ def align(events: Sequence[E], clocks: dict[str, ProcessClock]) -> tuple[list[E]
                 off[round(-shift, 1)].append(src.events[0].source)
         offsets += [
             ClockOffset(
-                f"{len(files)} ledger file(s) of host {domain} ({', '.join(sorted(files)[:3])}"
+                f"{len(files)} ledger file(s) of host {label(domain)} "
+                f"({', '.join(sorted(files)[:3])}"
                 f"{', ...' if len(files) > 3 else ''})",
                 value,
                 "its newest process: timed by their monotonic clock",
@@ -339,7 +347,7 @@ def align(events: Sequence[E], clocks: dict[str, ProcessClock]) -> tuple[list[E]
         for domain, bound in (src.clock.ahead if src.clock else {}).items():
             ahead[domain] = max(ahead.get(domain, 0.0), bound)
     offsets += [
-        ClockOffset(f"host {d}", b, "the job's clock (at least: measured when it resumed)")
+        ClockOffset(f"host {label(d)}", b, "the job's clock (at least: measured when it resumed)")
         for d, b in sorted(ahead.items())
         if b > 0
     ]

@@ -45,3 +45,16 @@ def env_var(pid: int, name: str) -> str | None:
         return None
     prefix = f"{name}=".encode()
     return next((e[len(prefix) :].decode() for e in env if e.startswith(prefix)), None)
+
+
+def carrying(**env: str) -> list[int]:
+    """Live (non-zombie) processes whose start environment has every ``NAME=value`` of
+    ``env``: a test marks the processes it starts (a variable their children inherit) and
+    finds them, or an attempt of them (``ETT_ATTEMPT``), from outside."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        pid = int(proc.name)
+        mine = all(env_var(pid, name) == value for name, value in env.items())
+        if mine and processes.pid_alive(pid):
+            found.append(pid)
+    return found
