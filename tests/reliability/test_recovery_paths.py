@@ -49,6 +49,7 @@ from trainer.checkpoint.manifest import (
 
 STEPS = 15
 EVERY = 5  # job_config's every_steps
+HELD_S = 120  # the longest attempt 0 of the standby test waits for its standby to park
 
 
 def _steps(config: JobConfig, attempt: int) -> list[int]:
@@ -135,7 +136,7 @@ def test_a_corrupt_newest_commit_falls_back_to_the_previous_one_and_its_data_pos
 def _kill_when_standby_parked(config: JobConfig, attempt: AttemptProcess, seen: list) -> None:
     """Attempt 0 hangs in step 12 (after its commit of step 10): once the standby has parked,
     its rank dies (SIGKILL, a lost worker). ``seen`` gets the newest committed step then."""
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + HELD_S
     while time.monotonic() < deadline and attempt.poll() is None:
         events = read_events(config.job_url)
         parked = any(e.name == Mark.STANDBY_READY and e.attempt == 1 for e in events)
@@ -151,6 +152,7 @@ def _kill_when_standby_parked(config: JobConfig, attempt: AttemptProcess, seen: 
         time.sleep(0.1)
 
 
+@pytest.mark.timeout(HELD_S + 120)  # attempt 0 is held in a hang by design
 def test_a_standby_promoted_after_it_parked_resumes_from_the_newest_commit(
     tmp_path: Path, data_url: str, clean: JobConfig
 ) -> None:
@@ -167,7 +169,7 @@ def test_a_standby_promoted_after_it_parked_resumes_from_the_newest_commit(
         config.job_url,
         LaunchSpec(str(path), env={"OMP_NUM_THREADS": "1"}),
         RetryPolicy(max_failures=1, backoff_s=0),
-        Timeouts(grace_s=30),
+        Timeouts(hang_s=HELD_S, grace_s=30),  # if the kill never comes: a hang, and a failure
         standby=True,
     )
     newest_at_kill: list[int] = []
