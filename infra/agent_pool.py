@@ -74,8 +74,10 @@ def receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any], list
 
 def code_fingerprint(root: Path = REPO_ROOT) -> str:
     """What a parked agent's imports depend on: the interpreter, the library versions and
-    every source file of the repo's packages it imported (path, size, mtime). Edit a file or
-    upgrade torch after an agent parked, and it no longer matches."""
+    every source file of the repo's packages it imported (path and content: size and mtime
+    miss an edit that keeps both, as ``cp -p``, ``rsync -t`` or a coarse file-system clock
+    do; reading the ~0.5 MB of source adds about 1 ms). Edit a file or upgrade torch after
+    an agent parked, and it no longer matches."""
     h = hashlib.sha256(sys.executable.encode())
     for name in _LIBRARIES:
         try:
@@ -84,8 +86,9 @@ def code_fingerprint(root: Path = REPO_ROOT) -> str:
             continue
     for package in _CODE_PACKAGES:
         for path in sorted((root / package).rglob("*.py")):
-            st = path.stat()
-            h.update(f"{path.relative_to(root)}:{st.st_size}:{st.st_mtime_ns}".encode())
+            data = path.read_bytes()
+            h.update(f"{path.relative_to(root)}:{len(data)}:".encode())
+            h.update(data)
     return h.hexdigest()[:16]
 
 

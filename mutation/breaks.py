@@ -44,6 +44,8 @@ CHECKPOINT_TESTS = (
     "tests/trainer/checkpoint/test_manifest.py",
     "tests/trainer/checkpoint",
 )
+RECOVERY_TESTS = ("tests/reliability/test_recovery_paths.py",)
+GATE_TESTS = ("tests/publish/test_gate.py",)
 
 BREAKS = (
     Break(
@@ -167,6 +169,102 @@ BREAKS = (
         "trainer/launch.py",
         (("    die_with_parent(0)  # the pool no longer decides when this process ends\n", ""),),
         POOL_TESTS,
+    ),
+    Break(
+        "B9",
+        "the ranks read the agreed flags swapped: a clock checkpoint stops the job as preempted",
+        "trainer/consensus.py",
+        (
+            (
+                "            agreed = Agreed(bool(self._flags[0]), bool(self._flags[1]))\n",
+                "            agreed = Agreed(bool(self._flags[1]), bool(self._flags[0]))\n",
+            ),
+        ),
+        RECOVERY_TESTS,
+    ),
+    Break(
+        "B10",
+        "a standby restores before it is promoted (the commit it resumes from may be old)",
+        "trainer/init_stages.py",
+        (
+            (
+                "    S.RESTORE: (S.TRAIN_MODULE_CREATION, S.INIT_PLUGINS, S.PROMOTION),\n",
+                "    S.RESTORE: (S.TRAIN_MODULE_CREATION, S.INIT_PLUGINS),\n",
+            ),
+        ),
+        RECOVERY_TESTS,
+    ),
+    Break(
+        "B11",
+        "after a restore fallback the first batch is fetched again from the peeked position",
+        "trainer/init_stages.py",
+        (("        self.loader.load_state_dict(resume.loader or START_POSITION)\n", ""),),
+        RECOVERY_TESTS,
+    ),
+    Break(
+        "B12",
+        "an in-process restart leaves the data loader where the failed step left it",
+        "trainer/restart.py",
+        (("        loader.load_state_dict(resume.loader or START_POSITION)\n", ""),),
+        (*RECOVERY_TESTS, "tests/trainer/test_run_options.py"),
+    ),
+    Break(
+        "B13",
+        "a ledger spool whose recovery upload failed is deleted all the same",
+        "infra/ledger.py",
+        (
+            (
+                "                completed.append(url)\n"
+                "            else:\n"
+                "                done = False\n",
+                "                completed.append(url)\n",
+            ),
+        ),
+        ("tests/infra/test_ledger.py",),
+    ),
+    Break(
+        "B14",
+        "a commit's retention is not told which checkpoint was just committed",
+        "trainer/checkpoint/checkpointer.py",
+        (("                keep=url,\n", ""),),
+        CHECKPOINT_TESTS,
+    ),
+    Break(
+        "B15",
+        "the publish gate adds the champion margin instead of subtracting it",
+        "publish/registry.py",
+        (("    return auc >= champ.auc - margin\n", "    return auc >= champ.auc + margin\n"),),
+        GATE_TESTS,
+    ),
+    Break(
+        "B16",
+        "the publish gate promotes only a strictly better candidate (an equal one stays)",
+        "publish/registry.py",
+        (("    return auc >= champ.auc - margin\n", "    return auc > champ.auc - margin\n"),),
+        GATE_TESTS,
+    ),
+    Break(
+        "B17",
+        "a champion that could not be re-scored is replaced by any candidate",
+        "publish/registry.py",
+        (
+            (
+                "        return False  # cannot show the new model is not worse\n",
+                "        return True  # cannot show the new model is not worse\n",
+            ),
+        ),
+        GATE_TESTS,
+    ),
+    Break(
+        "B18",
+        "a parked agent's code fingerprint covers each file's path and size, not its content",
+        "infra/agent_pool.py",
+        (("            h.update(data)\n", ""),),
+        (
+            "tests/tasks/test_agent_pool.py::test_what_a_parked_agent_must_share_with_its_job",
+            "tests/tasks/test_agent_pool.py::"
+            "test_a_same_size_edit_with_its_mtime_kept_changes_the_fingerprint",
+        ),
     ),
 )
 

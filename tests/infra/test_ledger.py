@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -447,3 +448,49 @@ def test_a_writer_that_exits_without_closing_neither_hangs_nor_loses_events() ->
     assert recover_orphaned_spools(jobs[1]) == [sealed]
     assert storage.listdir(sealed) == ["000000000000.final"]
     assert not any(spool.parent.exists() for spool in spools)
+
+
+def test_a_spool_whose_recovery_upload_fails_is_kept_for_the_next_recovery(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A killed writer's spool (its first lines stored, the rest not) met by a storage outage:
+    neither a failed listing nor a failed upload loses it. Nothing is reported completed, the
+    spool stays as it was, the stored part is untouched; the next recovery, once storage
+    answers, stores the rest once, from where the stored part ends, and deletes the spool."""
+    job = f"memory://ledger-{uuid.uuid4().hex}"
+    with Ledger(str(tmp_path / "lines"), clock=_ticking()) as local:  # the same lines, on disk
+        for step in range(1, 7):
+            local.record_span("train_step", float(step), step + 0.5, step=step)
+    data = (tmp_path / "lines" / "ledger" / "trainer-attempt000-rank000.jsonl").read_bytes()
+    first = data.index(b"\n", data.index(b"\n") + 1) + 1  # two lines stored before the kill
+    url = f"{ledger_url(job)}/trainer-attempt000-rank000.jsonl"
+    storage.write_bytes(f"{url}/000000000000", data[:first])
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    spool = Path(tempfile.mkdtemp(prefix=f"{ledger._spool_prefix(job)}{dead.pid}-"))
+    (spool / "trainer-attempt000-rank000.jsonl").write_bytes(data)
+    try:
+        real_call, real_write = storage.call, storage.write_bytes
+
+        def outage(*args: object, **kwargs: object) -> None:
+            raise storage.StorageError("storage unreachable")
+
+        monkeypatch.setattr(storage, "call", outage)  # cannot even list what is stored
+        assert recover_orphaned_spools(job) == []
+        monkeypatch.setattr(storage, "call", real_call)
+        monkeypatch.setattr(storage, "write_bytes", outage)  # lists, cannot upload
+        assert recover_orphaned_spools(job) == []
+        monkeypatch.setattr(storage, "write_bytes", real_write)
+
+        assert (spool / "trainer-attempt000-rank000.jsonl").read_bytes() == data
+        assert storage.listdir(url) == ["000000000000"]
+        assert [e.step for e in read_events(job) if e.name == "train_step"] == [1, 2]
+
+        assert recover_orphaned_spools(job) == [url]
+        assert not spool.exists()
+        assert storage.listdir(url) == ["000000000000", f"{first:012d}.final"]
+        events = read_events(job)
+        assert [e.step for e in events] == list(range(1, 7))  # each once, none missing
+        assert recover_orphaned_spools(job) == []
+    finally:
+        shutil.rmtree(spool, ignore_errors=True)

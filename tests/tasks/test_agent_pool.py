@@ -215,6 +215,24 @@ def test_what_a_parked_agent_must_share_with_its_job(tmp_path: Path) -> None:
     assert secret == "TORCH_X differs"  # named, values never shown
 
 
+def test_a_same_size_edit_with_its_mtime_kept_changes_the_fingerprint(tmp_path: Path) -> None:
+    """An edit that keeps a source file's size and modification time (within the file
+    system's timestamp granularity, or copied with ``cp -p``/``rsync -t``): a parked agent
+    imported the old code, so the fingerprint must differ."""
+    for package in ("trainer", "infra"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "mod.py").write_text("LR = 0.1\n")
+    path = tmp_path / "infra" / "mod.py"
+    stat = path.stat()
+    before = code_fingerprint(tmp_path)
+    path.write_text("LR = 0.9\n")
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    assert code_fingerprint(tmp_path) != before
+    path.write_text("LR = 0.1\n")  # the edit undone: the code the agent imported again
+    assert code_fingerprint(tmp_path) == before
+
+
 def test_agents_that_die_unclaimed_are_parked_again_with_backoff(
     tmp_path: Path, pool_env: dict[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:

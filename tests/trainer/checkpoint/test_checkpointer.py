@@ -234,6 +234,54 @@ def test_with_a_side_evaluator_retention_keeps_the_eval_step_checkpoints(
     assert [c.step for c in committed_checkpoints(config.job_url)] == kept
 
 
+def test_a_commit_below_newer_committed_steps_keeps_itself_and_what_may_be_in_flight(
+    tmp_path, group: dist.ProcessGroup
+) -> None:
+    """Committed steps newer than the one being committed are present (corrupt ones restore
+    could not quarantine, or those of a job resumed from an older checkpoint of its own) when
+    this process commits step 10 with ``keep_latest_k: 2``. Its retention keeps the newest
+    two (40, 30), the step it just committed and the anchor, and the uncommitted folder
+    above step 10 (the next save may be writing it); it deletes the older commits (6, 4) and
+    the uncommitted folder below step 10 (debris of a crashed save)."""
+    root = f"file://{tmp_path}/store"
+    before = load_config(
+        job_id="newer",
+        storage={"root": root},
+        checkpoint={"mode": "sync", "every_steps": 1, "keep_latest_k": 10},
+    )
+    ckpt, ledger = _checkpointer(tmp_path, before, group)
+    _register(ckpt, _state(group, 1.0))
+    try:
+        ckpt.save(1, anchor=True)
+        for step in (4, 6, 30, 40):
+            ckpt.save(step)
+    finally:
+        ckpt.close()
+        ledger.close()
+    folders = Path(storage.local_path(checkpoints_url(before.job_url)) or "")
+    for step in (8, 12):  # uncommitted: a crashed save below 10, a save in flight above it
+        (folders / step_dir_name(step)).mkdir()
+        (folders / step_dir_name(step) / "__0_0.distcp").write_bytes(b"partial")
+
+    config = load_config(
+        job_id="newer",
+        storage={"root": root},
+        checkpoint={"mode": "sync", "every_steps": 1, "keep_latest_k": 2},
+    )
+    ckpt, ledger = _checkpointer(tmp_path, config, group)
+    _register(ckpt, _state(group, 2.0))
+    try:
+        ckpt.save(10)
+    finally:
+        ckpt.close()
+        ledger.close()
+    assert [c.step for c in committed_checkpoints(config.job_url)] == [40, 30, 10, 1]
+    names = sorted(p.name for p in folders.iterdir() if p.name.startswith("step-"))
+    assert names == [step_dir_name(s) for s in (1, 10, 12, 30, 40)]
+    loaded = _load(storage.join(checkpoints_url(config.job_url), step_dir_name(10)), group)
+    assert torch.equal(loaded["model"]["dense.weight"], torch.full((ROWS, DIM), 2.0))
+
+
 def test_markers_of_an_earlier_try_never_complete_a_new_commit(
     tmp_path, group: dist.ProcessGroup
 ) -> None:

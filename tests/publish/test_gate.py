@@ -1,0 +1,167 @@
+"""The publish gate without servers or a trained model: which candidate becomes champion,
+which validation fails, and which checkpoint is refused before anything is downloaded.
+
+tests/publish/test_publish.py runs the whole pipeline against a real MLflow server (slow); its
+promotion test uses a margin no AUC can meet, so it cannot tell a better candidate from a
+worse one. Here the comparison itself is pinned, at its boundaries (AUCs that are exact in
+binary, so ``champion - margin`` is computed without rounding).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
+
+from publish import registry, validate
+from publish.pipeline import publish
+from publish.registry import ChampionScore, should_promote
+from publish.settings import PublishError, make_settings
+from trainer.checkpoint.manifest import MANIFEST, Manifest, step_dir_name
+
+CHAMPION = ChampionScore(version="3", auc=0.75)
+BELOW = math.nextafter  # the float just below x: nextafter(x, 0)
+
+
+@pytest.mark.parametrize(
+    ("auc", "margin", "promoted"),
+    [
+        # margin 0: promoted when not worse
+        (0.875, 0.0, True),  # better
+        (0.75, 0.0, True),  # equal: not worse
+        (BELOW(0.75, 0), 0.0, False),  # worse by the least a float can be
+        (0.625, 0.0, False),  # worse
+        # margin 0.125: up to 0.125 worse is tolerated
+        (0.625, 0.125, True),  # exactly at the boundary
+        (BELOW(0.625, 0), 0.125, False),  # just past it
+        (0.875, 0.125, True),
+        # margin -0.125: must improve by at least 0.125
+        (0.875, -0.125, True),  # exactly at the boundary
+        (BELOW(0.875, 0), -0.125, False),
+        (0.75, -0.125, False),  # equal is not enough
+        (math.nan, 0.0, False),  # a candidate without an AUC never wins
+    ],
+)
+def test_promotion_compares_the_candidate_with_the_champion_and_margin(
+    auc: float, margin: float, promoted: bool
+) -> None:
+    assert should_promote(auc, CHAMPION, margin) is promoted
+
+
+def test_without_a_champion_the_candidate_is_promoted_and_an_unscorable_one_stays() -> None:
+    """The first version becomes champion whatever its AUC. A champion that could not be
+    re-scored (another schema, missing artifacts) or scored NaN stays: nothing shows the
+    candidate is not worse."""
+    assert should_promote(0.5, ChampionScore(None, None), 0.0) is True
+    assert should_promote(0.5, ChampionScore(None, None), -0.5) is True
+    unscorable = ChampionScore("3", None, "OSError: artifacts missing")
+    assert should_promote(1.0, unscorable, 0.0) is False
+    assert should_promote(1.0, ChampionScore("3", math.nan), 1.0) is False
+
+
+class _Registry:
+    """The part of MlflowClient that score_champion uses."""
+
+    def __init__(self, champion: str | None) -> None:
+        self.champion = champion
+
+    def get_model_version_by_alias(self, name: str, alias: str) -> SimpleNamespace:
+        assert alias == registry.CHAMPION
+        if self.champion is None:
+            raise MlflowException("no alias", error_code=RESOURCE_DOES_NOT_EXIST)
+        return SimpleNamespace(version=self.champion)
+
+
+def test_the_champion_is_re_scored_by_its_alias_and_a_failure_is_reported() -> None:
+    asked: list[str] = []
+
+    def scorer(uri: str) -> float:
+        asked.append(uri)
+        return 0.625
+
+    assert registry.score_champion(_Registry(None), "ranker", scorer) == ChampionScore(None, None)
+    assert asked == []
+    assert registry.score_champion(_Registry("7"), "ranker", scorer) == ChampionScore("7", 0.625)
+    assert asked == ["models:/ranker@champion"]
+
+    def broken(uri: str) -> float:
+        raise ValueError("schema mismatch")
+
+    score = registry.score_champion(_Registry("7"), "ranker", broken)
+    assert score == ChampionScore("7", None, "ValueError: schema mismatch")
+    assert should_promote(0.99, score, 0.0) is False
+
+
+GOOD = validate.Validation(
+    rows=1000,
+    auc=0.75,
+    logloss=0.5,
+    mean_prediction=0.25,
+    observed_ctr=0.25,
+    parity_max_abs_diff=0.0,
+    nonfinite_predictions=0,
+)
+SETTINGS = make_settings({"calibration_ratio": 2.0, "parity_tolerance": 1e-5, "min_auc": 0.5})
+
+
+@pytest.mark.parametrize(
+    ("change", "failed"),
+    [
+        ({}, []),
+        ({"parity_max_abs_diff": 1e-5}, []),  # at the tolerance
+        ({"parity_max_abs_diff": 2e-5}, ["exported model disagrees"]),
+        ({"mean_prediction": 0.5}, []),  # ratio 2.0: the upper bound
+        ({"mean_prediction": 0.125}, []),  # ratio 0.5: the lower bound
+        ({"mean_prediction": math.nextafter(0.5, 1)}, ["miscalibrated"]),
+        ({"mean_prediction": BELOW(0.125, 0)}, ["miscalibrated"]),
+        ({"auc": 0.5}, []),  # at the floor
+        ({"auc": BELOW(0.5, 0)}, ["below the floor"]),
+        ({"auc": math.nan}, ["below the floor", "undefined"]),
+        ({"observed_ctr": 0.0, "mean_prediction": 0.0}, ["single class"]),
+        ({"nonfinite_predictions": 3, "parity_max_abs_diff": 1.0}, ["NaN or infinite"]),
+    ],
+)
+def test_validation_fails_each_check_past_its_bound_only(change: dict, failed: list[str]) -> None:
+    got = validate.failures(replace(GOOD, **change), SETTINGS)
+    assert len(got) == len(failed), got
+    for message, phrase in zip(got, failed, strict=True):
+        assert phrase in message
+
+
+def test_metrics_are_logged_under_the_publish_names() -> None:
+    assert GOOD.metrics() == {
+        "publish.holdout_rows": 1000.0,
+        "publish.holdout_auc": 0.75,
+        "publish.holdout_logloss": 0.5,
+        "publish.mean_prediction": 0.25,
+        "publish.observed_ctr": 0.25,
+        "publish.parity_max_abs_diff": 0.0,
+        "publish.nonfinite_predictions": 0.0,
+    }
+
+
+def _committed(root: Path, step: int, anchor: bool) -> str:
+    """A manifest only: enough for publish to read what the checkpoint claims to be."""
+    folder = root / "jobs" / "pub2" / "checkpoints" / step_dir_name(step)
+    folder.mkdir(parents=True)
+    manifest = Manifest(step=step, world_size=2, config_hash="h", files={}, anchor=anchor)
+    (folder / MANIFEST).write_text(replace(manifest, job_id="pub2").to_json())
+    return f"file://{folder}"
+
+
+def test_step_job_and_anchor_must_match_the_manifest(tmp_path: Path) -> None:
+    """Refused from the manifest alone: nothing downloaded, no MLflow contacted."""
+    anchor, step10 = _committed(tmp_path, 20, anchor=True), _committed(tmp_path, 10, anchor=False)
+    with pytest.raises(PublishError, match="holds step 20, but step 7 was requested"):
+        publish(anchor, step=7)
+    with pytest.raises(PublishError, match="belongs to job 'pub2'"):
+        publish(anchor, job_id="other")
+    with pytest.raises(PublishError, match="not an anchor"):
+        publish(step10)
+    with pytest.raises(PublishError, match="is not a committed checkpoint"):
+        publish(f"file://{tmp_path}/jobs/pub2/checkpoints/{step_dir_name(30)}")
