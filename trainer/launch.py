@@ -174,8 +174,10 @@ def park(fd: int) -> int:
     that stops. A pool that closes the socket instead releases it (exit 0)."""
     die_with_parent()
     sock = socket.socket(fileno=fd)
-    _preimport()
+    # Taken before the imports: a file edited while they run (seconds) then differs from
+    # what the claim compares, and this agent is refused rather than running stale code.
     fingerprint = agent_pool.code_fingerprint()
+    _preimport()
     try:
         agent_pool.send(sock, {"ready": True, "pid": os.getpid(), "fingerprint": fingerprint})
         claim, fds = agent_pool.receive(sock, agent_pool.CLAIM_FDS)
