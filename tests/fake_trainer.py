@@ -18,6 +18,8 @@ FAKE_EXCEPTION_STEPS=<s,s,...>: attempt 0 raises at these steps and restarts in 
 the trainer does: back to the last commit, counted in the progress record's ``restarts``.
 
 FAKE_EXIT_CODE=<n> exits at once with n (e.g. 2, a bad config) after marking attempt_start.
+FAKE_STANDBY_EXIT=<n> makes a standby exit with n once it has parked (a standby that dies
+while it waits); FAKE_STANDBY_EXIT_ATTEMPTS=<a,a,...> limits that to these attempts.
 FAKE_RANK_CHILD=<path> starts a child in a session of its own, as torchrun does with its
 ranks, which only a whole-tree kill ends; its pid goes to ``<path>.<attempt>``.
 FAKE_RANK_CHILD_STEP=<n> starts that child at step n instead of at the start (as a data
@@ -82,6 +84,10 @@ def main(control: RankControl | None) -> int:
     if control is not None and control.standby:
         ledger.mark(Mark.STANDBY_READY)
         control.report(Phase.PARKED)
+        dying = os.environ.get("FAKE_STANDBY_EXIT_ATTEMPTS")
+        if "FAKE_STANDBY_EXIT" in os.environ and (not dying or str(attempt) in dying.split(",")):
+            ledger.close()
+            return int(os.environ["FAKE_STANDBY_EXIT"])
         if (promotion := control.wait(Command.PROMOTE)) is None:
             ledger.close()
             return ExitCode.SUCCESS

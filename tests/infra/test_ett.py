@@ -698,3 +698,101 @@ def test_an_attempt_without_a_trainer_ledger_is_unknown(tmp_path) -> None:
         (1, 7, 20, 3),
     ]
     assert r.time_to_recover_total_s == r.buckets["recovery"]
+
+
+def test_a_lost_standby_is_no_attempt_no_startup_and_no_failure(tmp_path) -> None:
+    """a0 trains steps 1-6 [0,6] and finishes; a1, its standby, started @2 and parked @3; a2,
+    the one after it, was killed during its imports, before it wrote anything: only the
+    orchestrator's ``standby_lost`` marks know of either (a1 @4 parked, a2 @5 starting).
+
+    W = 6.5 (a0's shutdown to 6.5): effective 6, shutdown 0.5, nothing else; two lost
+    standbys, in attempt order, none of them an attempt or a failure."""
+    url = str(tmp_path / "job")
+    clock = lambda: T0  # noqa: E731
+    with Ledger(url, attempt=0, clock=clock) as tr:
+        _steps(tr, 1, 0, 6)
+        tr.record_span("shutdown", T0 + 6, T0 + 6.5)
+        tr.mark("job_end", step=6, t=T0 + 6.5)
+    with Ledger(url, attempt=1, clock=clock) as tr:
+        tr.mark("attempt_start", t=T0 + 2, standby=True)
+        tr.mark("standby_ready", t=T0 + 3)
+    with Ledger(url, attempt=1, role="orchestrator", clock=clock) as o:
+        o.mark("standby_lost", t=T0 + 4, cause="sigkill", parked=True)
+    with Ledger(url, attempt=2, role="orchestrator", clock=clock) as o:
+        o.mark("standby_lost", t=T0 + 5, cause="crash", parked=False)
+    r = report_for_job(url)
+    assert r.wall_s == 6.5 and r.finished and r.num_failures == 0
+    assert [a.attempt for a in r.attempts] == [0]
+    assert r.buckets["effective_training"] == 6 and r.buckets["shutdown"] == 0.5
+    assert r.lost_standbys == (
+        ett.LostStandby(1, 4.0, True, "sigkill"),
+        ett.LostStandby(2, 5.0, False, "crash"),
+    )
+
+
+def test_an_attempt_that_trained_is_never_dropped_as_a_standby(tmp_path) -> None:
+    """A ledger of an older version: a1's standby died parked (attempt_start standby @2,
+    parked @3) and a0's failure relaunched cold under the same number 1 (attempt_start @8,
+    steps 4-6 [9,12], job_end @12). a0: steps 1-5 [0,5], failure mark @7.
+
+    The cold launch counts from its own attempt_start: recovery [5,9] = 4, effective 1-3 and
+    4-6 = 6, wasted a0's 4-5 = 2; W = 12, finished."""
+    url = str(tmp_path / "job")
+    clock = lambda: T0  # noqa: E731
+    with Ledger(url, attempt=0, clock=clock) as tr:
+        _steps(tr, 1, 0, 5)
+    with Ledger(url, attempt=0, role="orchestrator", clock=clock) as o:
+        o.mark("failure", step=5, t=T0 + 7, cause="sigkill")
+    with Ledger(url, attempt=1, clock=clock) as tr:
+        tr.mark("attempt_start", t=T0 + 2, standby=True)
+        tr.mark("standby_ready", t=T0 + 3)
+        tr.mark("attempt_start", t=T0 + 8, standby=False)
+        _steps(tr, 4, 9, 3)
+        tr.mark("job_end", step=6, t=T0 + 12)
+    r = report_for_job(url)
+    assert r.finished and r.num_steps == 6 and r.wall_s == 12
+    assert [(a.attempt, a.outcome) for a in r.attempts] == [(0, "failed"), (1, "completed")]
+    assert r.buckets["effective_training"] == 6 and r.buckets["wasted_training"] == 2
+    assert r.buckets["recovery"] == 4
+
+
+def test_a_fallback_names_its_source_and_its_redone_steps_are_counted_apart(tmp_path) -> None:
+    """a0: steps 1-8 [0,8] (commits at 4 and 6; 6 turns out corrupt), killed: failure @8.
+    a1 (cold): resume @9 from step 4, skipping 6 (quarantined), steps 5-10 [10,16], job_end.
+
+    Wasted: a0's steps 5-8 = 4 s, of which 5-6 (between the checkpoint loaded and the newest
+    one skipped) = 2 s redone because of the fallback; 7-8 would have been redone anyway."""
+    url = str(tmp_path / "job")
+    clock = lambda: T0  # noqa: E731
+    with Ledger(url, attempt=0, clock=clock) as tr:
+        _steps(tr, 1, 0, 8)
+    with Ledger(url, attempt=0, role="orchestrator", clock=clock) as o:
+        o.mark("failure", step=8, t=T0 + 8, cause="sigkill")
+    skipped = [
+        {
+            "step": 6,
+            "reason": "checkpoint file:///x/step-000000006 is corrupt: "
+            "checksum mismatch in __0_0.distcp",
+            "quarantined": True,
+        }
+    ]
+    with Ledger(url, attempt=1, clock=clock) as tr:
+        tr.mark(
+            "resume",
+            step=4,
+            t=T0 + 9,
+            url="file:///x/step-000000004",
+            how="cold",
+            newest_step=6,
+            skipped=skipped,
+        )
+        _steps(tr, 5, 10, 6)
+        tr.mark("job_end", step=10, t=T0 + 16)
+    r = report_for_job(url)
+    assert r.buckets["wasted_training"] == 4 and r.fallback_redone_s == 2
+    [resume] = r.resumes
+    assert (resume.attempt, resume.step, resume.newest_step, resume.at) == (1, 4, 6, 9)
+    assert resume.describe() == (
+        "attempt 1 (cold) resumed from step 4, step 6 quarantined: checksum mismatch in "
+        "__0_0.distcp"
+    )

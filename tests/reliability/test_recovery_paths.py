@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from infra import storage
+from infra.ett import report_for_job
 from infra.exit_codes import ExitCode, Outcome
 from infra.ledger import Mark, Span, read_events
 from infra.settings import JobConfig, dump_config
@@ -131,6 +132,10 @@ def test_a_corrupt_newest_commit_falls_back_to_the_previous_one_and_its_data_pos
     assert "first batch re-fetched: restore resumed at step 5" in out
     assert _anchor_loader(config) == _anchor_loader(clean)
     assert_bit_identical(clean, config, STEPS)
+    # The report names the fallback: where it resumed, what it skipped, and why.
+    [resume] = report_for_job(config.job_url).resumes
+    assert (resume.how, resume.step, resume.newest_step) == ("cold", 5, 10)
+    assert resume.skipped == ((10, f"checksum mismatch in {shard.name}", True),)
 
 
 def _kill_when_standby_parked(config: JobConfig, attempt: AttemptProcess, seen: list) -> None:

@@ -7,9 +7,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -241,6 +243,108 @@ def test_standby_is_promoted_after_a_sigkill_and_a_preemption(tmp_path: Path) ->
     # A standby's pre-warm ran beside attempt 0: none of it is startup of the job.
     assert report.time_to_start_s is not None
     assert report.buckets["startup"] <= report.time_to_start_s + 1e-9
+    assert _fake_pids(tmp_path) == []
+
+
+def _run_in_thread(tmp_path: Path, steps: int, env: dict[str, str], caplog):
+    """The job on a thread (its fake trainers see ``env``); returns (config, thread, result)."""
+    config, spec = _spec(tmp_path, [], steps, **env)
+    runner = JobRunner(config.job_url, spec, RetryPolicy(max_failures=2, backoff_s=0))
+    result: list[JobOutcome] = []
+    thread = threading.Thread(target=lambda: result.append(runner.run()), daemon=True)
+    caplog.set_level(logging.INFO, logger="ett.orchestrator")
+    thread.start()
+    return config, thread, result
+
+
+def _has(config, name: str, mark: str) -> bool:
+    path = Path(str(config.job_url).removeprefix("file://"), "ledger", name)
+    return path.exists() and f'"name":"{mark}"' in path.read_text()
+
+
+def _wait_for(what: str, check, thread: threading.Thread, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert thread.is_alive(), f"the job ended before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.02)
+
+
+def _kill_attempt(tmp_path: Path, number: int) -> None:
+    pids = [p for p in _fake_pids(tmp_path) if procs.env_var(p, "ETT_ATTEMPT") == str(number)]
+    assert pids, f"attempt {number} is not running"
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_standby_lost_while_parked_is_marked_and_replaced_under_a_new_number(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Standby 1 dies once it has parked. The orchestrator marks it lost (its own attempt
+    number, never the job's startup or a failure) and starts standby 2; the primary's death
+    then promotes standby 2. No attempt number is used twice."""
+    env = {"FAKE_STANDBY_EXIT": "137", "FAKE_STANDBY_EXIT_ATTEMPTS": "1"}
+    config, thread, result = _run_in_thread(tmp_path, 300, env, caplog)
+    _wait_for(
+        "standby 1 lost",
+        lambda: _has(config, "orchestrator-attempt001-rank000.jsonl", "standby_lost"),
+        thread,
+    )
+    _wait_for(
+        "standby 2",
+        lambda: _has(config, "trainer-attempt002-rank000.jsonl", "standby_ready"),
+        thread,
+    )
+    _kill_attempt(tmp_path, 0)
+    thread.join(60)
+    [outcome] = result
+    assert outcome.succeeded, outcome.message
+    assert [(a.attempt, a.outcome) for a in outcome.attempts] == [
+        (0, Outcome.SIGKILL),
+        (2, Outcome.SUCCESS),
+    ]
+    assert outcome.attempts[1].from_standby
+    assert "standby attempt 1 lost while parked (killed by SIGKILL (137)); starting another" in (
+        caplog.text
+    )
+    assert "promoting standby attempt 2" in caplog.text
+    report = report_for_job(config.job_url)
+    assert report.finished and [s.attempt for s in report.lost_standbys] == [1]
+    assert report.num_failures == 1 and [a.attempt for a in report.attempts] == [0, 2]
+    assert _fake_pids(tmp_path) == []
+
+
+def test_standbys_lost_in_a_row_leave_the_job_without_one_and_the_relaunch_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every standby dies once parked: after three in a row the job goes on without one, and
+    the primary's death relaunches cold under a new number, naming the last standby lost."""
+    config, thread, result = _run_in_thread(tmp_path, 600, {"FAKE_STANDBY_EXIT": "1"}, caplog)
+    _wait_for(
+        "standby 3 lost",
+        lambda: _has(config, "orchestrator-attempt003-rank000.jsonl", "standby_lost"),
+        thread,
+    )
+    _kill_attempt(tmp_path, 0)
+    thread.join(60)
+    [outcome] = result
+    assert outcome.succeeded, outcome.message
+    assert [(a.attempt, a.from_standby) for a in outcome.attempts] == [(0, False), (4, False)]
+    assert "3 lost in a row: going on without a standby" in caplog.text
+    assert re.search(r"relaunching cold \(standby attempt 3 lost at \d\d:\d\d:\d\d\)", caplog.text)
+    report = report_for_job(config.job_url)
+    assert [(s.attempt, s.cause, s.parked) for s in report.lost_standbys] == [
+        (1, "crash", True),
+        (2, "crash", True),
+        (3, "crash", True),
+    ]
+    assert [a.attempt for a in report.attempts] == [0, 4] and report.finished
+    assert not (
+        Path(str(config.job_url).removeprefix("file://"))
+        / "ledger"
+        / "trainer-attempt005-rank000.jsonl"
+    ).exists()  # no standby behind attempt 4
     assert _fake_pids(tmp_path) == []
 
 
