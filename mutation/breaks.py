@@ -46,6 +46,7 @@ CHECKPOINT_TESTS = (
 )
 RECOVERY_TESTS = ("tests/reliability/test_recovery_paths.py",)
 GATE_TESTS = ("tests/publish/test_gate.py",)
+CLOCK_TESTS = ("tests/infra/test_clocks.py", "tests/reliability/test_ledger_times.py")
 
 BREAKS = (
     Break(
@@ -254,6 +255,89 @@ BREAKS = (
             ),
         ),
         GATE_TESTS,
+    ),
+    Break(
+        "B20",
+        "a process's times are taken from its wall clock (the monotonic readings ignored)",
+        "infra/clocks.py",
+        (("            t = m + offset\n", "            t = w\n"),),
+        CLOCK_TESTS,
+    ),
+    Break(
+        "B21",
+        "a line may hold a time later than the lines written after it",
+        "infra/clocks.py",
+        (
+            (
+                "            hi = statistics.median(later) + tol if later else math.inf\n",
+                "            hi = math.inf\n",
+            ),
+        ),
+        CLOCK_TESTS,
+    ),
+    Break(
+        "B22",
+        "the processes of one host keep their own offsets (not aligned to its newest one)",
+        "infra/clocks.py",
+        (
+            (
+                "            by_domain[src.clock.domain].append(src)\n",
+                "            by_domain[src.clock.source].append(src)\n",
+            ),
+        ),
+        CLOCK_TESTS,
+    ),
+    Break(
+        "B23",
+        "a resume does not record the newer checkpoints it skipped",
+        "trainer/resume.py",
+        (
+            (
+                "    skipped = [s.to_json() for s in restored.skipped]\n",
+                "    skipped: list[dict[str, Any]] = []\n",
+            ),
+        ),
+        RECOVERY_TESTS,
+    ),
+    Break(
+        "B24",
+        "every redone step after a fallback is counted as redone because of it",
+        "infra/ett.py",
+        (("            if r.step < e.step <= newest:\n", "            if r.step < e.step:\n"),),
+        ("tests/infra/test_ett.py",),
+    ),
+    Break(
+        "B25",
+        "a standby known only by its standby_lost mark is taken for an attempt",
+        "infra/ett.py",
+        (("    standby = set(ready) | set(lost)\n", "    standby = set(ready)\n"),),
+        ("tests/infra/test_ett.py",),
+    ),
+    Break(
+        "B26",
+        "standbys that keep dying are replaced for ever",
+        "tasks/attempts.py",
+        (
+            (
+                "        return self.standby and self._standby_losses < MAX_STANDBY_LOSSES\n",
+                "        return self.standby\n",
+            ),
+        ),
+        ATTEMPT_TESTS,
+    ),
+    Break(
+        "B27",
+        "a standby that died is not forgotten: no replacement, and the dead one is promoted",
+        "tasks/attempts.py",
+        (
+            (
+                "            return\n"
+                "        self._standby = None\n"
+                "        seen = standby.progress()\n",
+                "            return\n        seen = standby.progress()\n",
+            ),
+        ),
+        ATTEMPT_TESTS,
     ),
     Break(
         "B18",

@@ -262,7 +262,7 @@ def _has(config, name: str, mark: str) -> bool:
     return path.exists() and f'"name":"{mark}"' in path.read_text()
 
 
-def _wait_for(what: str, check, thread: threading.Thread, timeout: float = 60) -> None:
+def _wait_for(what: str, check, thread: threading.Thread, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         assert thread.is_alive(), f"the job ended before {what}"
