@@ -219,3 +219,101 @@ def test_the_clock_line_names_the_process_and_is_never_an_event(tmp_path: Path) 
     assert first["name"] == "clock" and set(first["attrs"]) >= {"host", "boot", "pid"}
     assert abs(first["t"] - first["mono"] - (time.time() - time.monotonic())) < TOLERANCE_S
     assert "clock" not in {e.name for e in read_ledger(job).events}
+
+
+def test_a_wall_reading_is_believed_within_a_second_and_rejected_beyond(tmp_path: Path) -> None:
+    job = _job(tmp_path)
+    _write(job, 0, 12)
+
+    def off(rec: dict) -> dict:
+        if rec["name"] == "train_step" and rec["step"] in (3, 8):
+            rec["end"] += 0.6 if rec["step"] == 3 else 1.5
+        return rec
+
+    _edit(job, "trainer-attempt000-rank000.jsonl", off)
+    read = read_ledger(job)
+    assert read.clock.retimed == 1  # step 8's; step 3's 0.6 s is within the tolerance
+    assert "(train_step step 8)" in read.clock.examples[0]
+
+
+def test_the_report_names_the_first_three_rejected_lines_by_their_line_number(
+    tmp_path: Path,
+) -> None:
+    """Line 1 is the clock line, line 2 attempt_start: step n is on line n + 2."""
+    job = _job(tmp_path)
+    _write(job, 0, 12)
+
+    def flip(rec: dict) -> dict:
+        if rec["name"] == "train_step" and rec["step"] in (2, 4, 6, 8):
+            rec["end"] += 1e6
+        return rec
+
+    _edit(job, "trainer-attempt000-rank000.jsonl", flip)
+    check = read_ledger(job).clock
+    assert check.retimed == 4
+    assert [e.split(" (")[0] for e in check.examples] == [
+        f"trainer-attempt000-rank000.jsonl line {n}" for n in (4, 6, 8)
+    ]
+
+
+def test_times_that_agree_with_each_other_but_not_with_where_they_were_written(
+    tmp_path: Path,
+) -> None:
+    """Both readings moved alike: the line is out of place in its file. 100 s after the
+    lines written after it: dropped. 700 s before its process opened the file: dropped,
+    except ``scheduling`` (the flow run's wait before the process). Ending before it starts:
+    dropped."""
+    job = _job(tmp_path)
+    with Ledger(job) as led:
+        t = led.clock()
+        led.record_span("scheduling", t - 3600.0, t - 1.0)
+        led.record_span("launcher_init", t - 700.0, t - 0.5)
+        for step in range(1, 9):
+            with led.span("train_step", step=step):
+                time.sleep(0.005)
+        led.record_span("eval", t + 0.2, t + 0.1)
+
+    def move(rec: dict) -> dict:
+        if rec["name"] == "train_step" and rec["step"] == 3:
+            rec["start"] += 100.0
+            rec["end"] += 100.0
+            rec["mono"] = [m + 100.0 for m in rec["mono"]]
+        return rec
+
+    _edit(job, "trainer-attempt000-rank000.jsonl", move)
+    read = read_ledger(job)
+    names = [(e.name, e.step) for e in read.events]
+    assert ("scheduling", None) in names
+    assert ("launcher_init", None) not in names and ("train_step", 3) not in names
+    assert ("eval", None) not in names
+    assert read.clock.rejected == 3 and read.clock.retimed == 0
+    why = " | ".join(read.clock.examples)
+    assert "launcher_init): " in why and "before its process" in why
+    assert "step 3): " in why and "after the lines written after it" in why
+    assert "(eval): ends before it starts" in why
+
+
+def test_a_process_whose_clock_ran_behind_is_said_behind(tmp_path: Path) -> None:
+    job = _job(tmp_path)
+    _write(job, 0, 5)
+    _write(job, 1, 5)
+
+    def behind(rec: dict) -> dict:
+        for key in ("start", "end", "t"):
+            if key in rec and rec["name"] != "clock":
+                rec[key] -= 30.0
+        return rec
+
+    _edit(job, "trainer-attempt000-rank000.jsonl", behind)
+    notes = read_ledger(job).clock.notes()
+    assert len(notes) == 1 and "ran 30.0 s behind its newest process" in notes[0]
+
+
+def test_the_injected_clock_fault_and_host_labels(monkeypatch: pytest.MonkeyPatch) -> None:
+    for text, shift in (("90", 90.0), ("-2.5", -2.5), ("", 0.0), ("soon", 0.0)):
+        monkeypatch.setenv(clocks.ENV_SHIFT, text)
+        assert clocks._shift() == shift
+    assert clocks.label("node-1/0123456789abcdef") == "node-1, boot 01234567"
+    assert clocks.label("other-host/") == "other-host"
+    monkeypatch.setenv(clocks.ENV_HOST, "h2")
+    assert clocks.identity()["host"] == "h2" and clocks.domain_of(clocks.identity()) == "h2/"
