@@ -57,15 +57,22 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """A job without Prefect: the same attempts, standby, retries and hang detection as the
-    ``train`` flow; exits with the last attempt's code (0 once the job succeeded)."""
+    ``train`` flow; exits with the last attempt's code (0 once the job succeeded). What the
+    config names is checked first (infra/preflight.py): a mistake there is exit 2 before
+    torchrun starts."""
     from infra import storage
     from infra.lease import JobLocked
     from infra.ledger import next_attempt
+    from infra.preflight import PreflightError, preflight
     from tasks.attempts import LaunchSpec, RetryPolicy
     from tasks.job import run_job, timeouts_for
 
     config = _config(args)
     storage.configure(config.storage)
+    try:
+        preflight(config)
+    except PreflightError as exc:
+        raise UserError(str(exc)) from None
     policy = RetryPolicy(max_failures=args.max_failures, backoff_s=args.backoff_s)
     # Stopped from outside (SIGTERM, Ctrl-C): the attempt is preempted (it checkpoints) and
     # the standby released before this process goes.
