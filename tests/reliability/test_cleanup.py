@@ -4,7 +4,8 @@ checkpoint, SIGTERM 143, and further signals do not interrupt that cleanup.
 
 Before: every attempt left a ``torchelastic_*`` folder in the temp folder (torchrun's log
 folder) and a crashed forked rank a ``pytorch-errorfile-*.pickle``; a warm standby that was
-released after it had parked left its checkpoint spool ``ett-ckpt-<job>-r0-p<pid>-*``;
+released after it had parked left its checkpoint spool ``ett-ckpt-<job>-r0-p<pid>-*``, and
+so did a rank killed while uploading a checkpoint to S3 when no attempt came after it;
 Ctrl-C exited 143, and a second Ctrl-C landed inside the cleanup of the first and left the
 attempt's ``ett-a*`` control folders (and, with a hung attempt, its processes) behind.
 """
@@ -23,7 +24,7 @@ from infra.checkpoints import MANIFEST, Manifest, committed_checkpoints
 from infra.exit_codes import ExitCode
 from infra.ledger import Span, read_events
 from tests.reliability.ett_job import EttTrain
-from tests.reliability.jobs import job_config
+from tests.reliability.jobs import job_config, s3_root
 
 LONG = 1_000_000  # steps: a job that runs until it is stopped
 PARKED = "ready: parked until promoted"  # the standby's trainer says so once parked
@@ -143,6 +144,27 @@ def test_a_job_out_of_retries_leaves_nothing(
     )
     assert job.wait() == ExitCode.CRASH, job.tail()
     assert "exceed max_failures=0" in job.stdout(), job.tail()
+    job.assert_left_nothing()
+
+
+def test_a_rank_killed_mid_upload_to_s3_leaves_no_spool(
+    tmp_path: Path, data_url: str, started: list[EttTrain], s3_server: str
+) -> None:
+    # On an object store a checkpoint is written to a local spool, then uploaded: a SIGKILL
+    # in between leaves the whole checkpoint there, and the job ends (max_failures 0).
+    storage_section = {"root": s3_root(), "s3_endpoint_url": s3_server}
+    _, job = start(
+        started,
+        tmp_path,
+        data_url,
+        "--max-failures",
+        "0",
+        steps=LONG,
+        job_id="clean-upload",
+        storage=storage_section,
+        faults=[{"kind": "sigkill_mid_upload", "step": 5, "attempt": 0}],
+    )
+    assert job.wait() == 128 + signal.SIGKILL, job.tail()
     job.assert_left_nothing()
 
 

@@ -56,6 +56,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import StagingOptions
 
 from infra import processes, storage
+from infra.control import scratch_dir
 from infra.ledger import Ledger
 from infra.settings import CheckpointMode, EvalMode, JobConfig, config_yaml
 from trainer.checkpoint.manifest import (
@@ -157,10 +158,11 @@ class Checkpointer:
     def spool(self) -> str:
         """This process's local folder for checkpoints bound for an object store, made at
         the first save that needs one: a process that never saves there (a standby that is
-        released, storage on local disk) leaves none in the temp folder."""
+        released, storage on local disk) leaves none in the temp folder; one killed while
+        uploading leaves it in its attempt's control folder (infra.control.scratch_dir)."""
         if self._spool is None:
             prefix = f"{_spool_prefix(self.config.job_id, self.rank)}{os.getpid()}-"
-            self._spool = tempfile.mkdtemp(prefix=prefix)
+            self._spool = tempfile.mkdtemp(prefix=prefix, dir=scratch_dir())
         return self._spool
 
     def _shared_token(self) -> str:
