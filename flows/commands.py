@@ -51,30 +51,66 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+class _Stop:
+    """SIGINT and SIGTERM handler of ``ett train``. The first signal stops the job: a
+    KeyboardInterrupt in the main thread, whose handlers preempt the running attempt (it
+    checkpoints), release the standby and remove the job's folders. A later one would land
+    inside that cleanup and leave processes and folders behind: it is ignored, and said so."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self)
+        signal.signal(signal.SIGTERM, self)
+
+    def __call__(self, signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        # os.write, not print: the main thread may be inside a write to stderr right now.
+        if self.signum is not None:
+            os.write(2, f"ett train: {name} ignored: still ending the job's processes\n".encode())
+            return
+        self.signum = signum
+        os.write(
+            2,
+            f"ett train: {name}: stopping (the running attempt checkpoints and exits, the "
+            "standby is released; further signals are ignored until that is done)\n".encode(),
+        )
+        raise KeyboardInterrupt
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal, as a shell reports a process that the signal ended."""
+        return 128 + (self.signum or signal.SIGINT)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     """A job without Prefect: the same attempts, standby, retries and hang detection as the
-    ``train`` flow; exits with the last attempt's code (0 once the job succeeded)."""
+    ``train`` flow; exits with the last attempt's code (0 once the job succeeded). What the
+    config names is checked first (infra/preflight.py): a mistake there is exit 2 before
+    torchrun starts. SIGINT (Ctrl-C) exits 130 and SIGTERM 143, after the running attempt's
+    emergency checkpoint."""
     from infra import storage
     from infra.lease import JobLocked
     from infra.ledger import next_attempt
+    from infra.preflight import PreflightError, preflight
     from tasks.attempts import LaunchSpec, RetryPolicy
     from tasks.job import run_job, timeouts_for
 
     config = _config(args)
     storage.configure(config.storage)
+    try:
+        preflight(config)
+    except PreflightError as exc:
+        raise UserError(str(exc)) from None
     policy = RetryPolicy(max_failures=args.max_failures, backoff_s=args.backoff_s)
-    # Stopped from outside (SIGTERM, Ctrl-C): the attempt is preempted (it checkpoints) and
-    # the standby released before this process goes.
-    signal.signal(signal.SIGTERM, _interrupt)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "job.yaml")
-        dump_config(config, path)
-        spec = LaunchSpec(path, nproc=args.nproc, nnodes=args.nnodes)
-        try:
+    stop = _Stop()
+    stop.install()
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"ett-{config.job_id}-") as tmp:
+            path = os.path.join(tmp, "job.yaml")
+            dump_config(config, path)
+            spec = LaunchSpec(path, nproc=args.nproc, nnodes=args.nnodes)
             outcome = run_job(
                 config,
                 spec,
@@ -82,13 +118,13 @@ def cmd_train(args: argparse.Namespace) -> int:
                 timeouts_for(config, args.hang_timeout_s),
                 next_attempt(config.job_url),
             )
-        except KeyboardInterrupt:
-            print("stopped: the running attempt was preempted", file=sys.stderr)
-            return 128 + signal.SIGTERM
-        except JobLocked as exc:
-            print(exc, file=sys.stderr)
-            return ExitCode.JOB_LOCKED
-    print(outcome.message)
+        print(outcome.message)
+    except KeyboardInterrupt:
+        print("stopped: the running attempt was preempted", file=sys.stderr)
+        return stop.exit_code
+    except JobLocked as exc:
+        print(exc, file=sys.stderr)
+        return ExitCode.JOB_LOCKED
     return 0 if outcome.succeeded else outcome.attempts[-1].exit_code
 
 

@@ -86,28 +86,30 @@ def train_flow(
     scheduling = (min(_expected_start(flow_started), flow_started), flow_started)
     log = logger()
     job, config_path = prepare_job(config, overrides, faults)
-    storage.configure(job.storage)  # this process reads the job's ledger too
-    first = next_attempt(job.job_url)
-    if first:
-        log.info("job %s has %d earlier attempt(s): continuing its numbering", job.job_id, first)
-    # MLflow's run is made while the first attempt starts (its imports take seconds).
-    tracking = start_tracking.submit(job)
-    progress_id = create_progress_artifact(
-        progress=0.0,
-        key=artifact_key("train-progress", job.job_id),
-        description=f"Steps done of job {job.job_id} ({job.train.steps} steps)",
-    )
-    context = contextvars.copy_context()  # progress arrives on the watch thread
-    throttle = ProgressThrottle(
-        lambda pct: context.run(update_progress_artifact, artifact_id=progress_id, progress=pct)
-    )
+    try:  # from here on, whatever happens, the ranks' copy of the config goes
+        storage.configure(job.storage)  # this process reads the job's ledger too
+        first = next_attempt(job.job_url)
+        if first:
+            log.info(
+                "job %s has %d earlier attempt(s): continuing its numbering", job.job_id, first
+            )
+        # MLflow's run is made while the first attempt starts (its imports take seconds).
+        tracking = start_tracking.submit(job)
+        progress_id = create_progress_artifact(
+            progress=0.0,
+            key=artifact_key("train-progress", job.job_id),
+            description=f"Steps done of job {job.job_id} ({job.train.steps} steps)",
+        )
+        context = contextvars.copy_context()  # progress arrives on the watch thread
+        throttle = ProgressThrottle(
+            lambda pct: context.run(update_progress_artifact, artifact_id=progress_id, progress=pct)
+        )
 
-    def on_progress(progress: Progress) -> None:
-        if progress.phase == Phase.TRAINING:
-            throttle(progress.step, progress.total)
+        def on_progress(progress: Progress) -> None:
+            if progress.phase == Phase.TRAINING:
+                throttle(progress.step, progress.total)
 
-    spec = LaunchSpec(config_path, nproc=nproc, nnodes=nnodes)
-    try:
+        spec = LaunchSpec(config_path, nproc=nproc, nnodes=nnodes)
         outcome = run_job(
             job,
             spec,

@@ -104,6 +104,16 @@ def decode_progress(raw: bytes) -> Progress | None:
         return None
 
 
+def scratch_dir() -> str | None:
+    """Where a rank keeps temp folders that must not outlive its attempt (checkpoint spool,
+    compiler cache, restore downloads): inside the attempt's control folder, which the
+    orchestrator removes when it ends the attempt, even after a SIGKILL of the rank. None
+    (the temp folder) when no orchestrator launched this process, or it removed the folder
+    already."""
+    path = os.environ.get(ENV_DIR)
+    return path if path and os.path.isdir(path) else None
+
+
 class ControlDir:
     """The orchestrator's end: create the pipes, keep them open, send commands, read progress."""
 

@@ -373,6 +373,11 @@ def load_resolved(path: str | os.PathLike[str]) -> JobConfig:
         raise ConfigError(format_errors(exc, str(path))) from None
 
 
+def config_yaml(config: JobConfig) -> str:
+    """A config as YAML, without credentials: what ``dump_config`` writes."""
+    return yaml.safe_dump(config.public_dict(), sort_keys=False)
+
+
 def dump_config(config: JobConfig, path: str | os.PathLike[str]) -> None:
     """Write a config as YAML (without credentials), e.g. to hand one to every torchrun rank."""
-    Path(path).write_text(yaml.safe_dump(config.public_dict(), sort_keys=False))
+    Path(path).write_text(config_yaml(config))

@@ -152,11 +152,12 @@ def write_text(url: str, text: str) -> None:
 
 
 def listdir(url: str) -> list[str]:
-    """Names (not paths) of the entries directly under a URL; empty when it does not exist."""
+    """Names (not paths) of the entries directly under a URL; empty when it does not exist
+    (nor can: a local path under a regular file)."""
     fs, path = split(url)
     try:
         entries = call(f"list {url}", lambda: fs.ls(path, detail=False, refresh=True))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
     return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 

@@ -148,6 +148,8 @@ class AttemptProcess:
     """The launcher processes (one per node) of one attempt, their control channels and
     output. ``spawn`` starts them; ``poll`` tells when they are done; ``end`` ends them."""
 
+    _ended = False  # set once end() has run to its end
+
     def __init__(self, number: int, standby: bool, spec: LaunchSpec, log: Log) -> None:
         self.number, self.standby, self.spec = number, standby, spec
         self.controls = [
@@ -242,7 +244,11 @@ class AttemptProcess:
         """End every process of the attempt. ``preempt``: SIGTERM first (the trainer
         checkpoints and exits), SIGKILL after ``grace_s``; else SIGKILL at once (after a
         failure the newest committed checkpoint is where the job resumes anyway). Closes the
-        control channels and reaps the launchers. Returns the pids signalled."""
+        control channels and reaps the launchers. Returns the pids signalled. Once it has
+        run to its end, a later call does nothing (those pids may be another's by then); one
+        that was interrupted halfway runs again in full."""
+        if self._ended:
+            return []
         first = signal.SIGTERM if preempt else signal.SIGKILL
         signalled: list[int] = []
         for proc in self.procs:
@@ -254,6 +260,7 @@ class AttemptProcess:
                     signalled += processes.terminate_tree(pid, 0.0, signal.SIGKILL)
         signalled += self.tree.end()
         self._close()
+        self._ended = True
         return signalled
 
     def release(self, grace_s: float = 2.0) -> list[int]:
@@ -633,8 +640,13 @@ class JobRunner:
                 delay = self.policy.delay_s(report.outcome, repeats)
                 current = self._next(report, delay)
         finally:
-            self.release_standby()
-            lease.release()
+            # Whatever ended the loop (an interrupt may have landed inside the normal end of
+            # an attempt): nothing of the job's attempts is left, and the lease goes last.
+            try:
+                current.end(0.0, preempt=False)
+                self.release_standby()
+            finally:
+                lease.release()
 
     def _next(self, report: AttemptReport, delay: float) -> AttemptProcess:
         """The next attempt: the standby, promoted, or a cold launch under a new number."""

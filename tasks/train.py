@@ -21,6 +21,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed, State
 
 from infra import processes, storage
+from infra.preflight import preflight
 from infra.settings import JobConfig, dump_config, load_config
 from tasks.attempts import AttemptProcess, AttemptReport, JobRunner
 from tasks.logs import logger
@@ -66,12 +67,15 @@ def prepare_job(
     faults: list[dict[str, Any]] | None = None,
 ) -> tuple[JobConfig, str]:
     """Load and validate the job config (file + overrides + ETT_* env), add the injected
-    faults, and write the effective config for the trainer's ranks; returns (config, path)."""
+    faults, check what it names (infra/preflight.py: PreflightError, one line, before any
+    attempt starts), and write the effective config for the trainer's ranks; returns
+    (config, path)."""
     extra = dict(overrides or {})
     if faults is not None:
         extra["faults"] = list(faults)
     job = load_config(config, **extra)
     storage.configure(job.storage)
+    preflight(job)
     folder = tempfile.mkdtemp(prefix=f"ett-{job.job_id}-")
     path = os.path.join(folder, "job.yaml")
     dump_config(job, path)

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from infra import storage
+from infra.control import scratch_dir
 from infra.settings import JobConfig
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,8 @@ def setup_local_dir(path: str | None = None) -> tuple[str, bool]:
 
     An explicit ``path`` wins, then a TORCHINDUCTOR_CACHE_DIR already set by the operator;
     otherwise a fresh per-process temp folder, so what a process finds is exactly what the
-    shared cache gave it. Returns (folder, created_here).
+    shared cache gave it (in the attempt's control folder when there is one, so that it goes
+    with the attempt even if this process is killed). Returns (folder, created_here).
     """
     created = False
     if path is None:
@@ -133,7 +135,7 @@ def setup_local_dir(path: str | None = None) -> tuple[str, bool]:
         if path is not None and os.path.abspath(path) == _default_inductor_dir():
             path = None
     if path is None:
-        path, created = tempfile.mkdtemp(prefix="ett-inductor-"), True
+        path, created = tempfile.mkdtemp(prefix="ett-inductor-", dir=scratch_dir()), True
     os.makedirs(path, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
     try:  # a path inductor may already have memoised (best effort: private API)
@@ -242,7 +244,7 @@ class CompileCache:
         files = manifest.get("files", {})
         if set(files) != {"inductor", "megacache"}:
             return CacheResult("corrupt", detail=f"{manifest_url}: files {sorted(files)}")
-        with tempfile.TemporaryDirectory(prefix="ett-ccache-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="ett-ccache-", dir=scratch_dir()) as tmp:
             local: dict[str, str] = {}
             for role, entry in files.items():
                 path = os.path.join(tmp, os.path.basename(entry["name"]))
@@ -295,7 +297,7 @@ class CompileCache:
     def _save(self) -> CacheResult:
         artifacts = torch.compiler.save_cache_artifacts()
         blob = artifacts[0] if artifacts is not None else b""
-        with tempfile.TemporaryDirectory(prefix="ett-ccache-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="ett-ccache-", dir=scratch_dir()) as tmp:
             paths = {
                 "megacache": os.path.join(tmp, "megacache.bin"),
                 "inductor": os.path.join(tmp, "inductor.tar"),

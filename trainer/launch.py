@@ -53,10 +53,17 @@ def _exit_code(code: int | None) -> int:
 
 
 def worker_main(*argv: str) -> None:
-    """A forked rank's entry point (``python -m trainer`` is the other)."""
+    """A forked rank's entry point (``python -m trainer`` is the other). A crash is one
+    line here and exit code 1: an exception let out of here would make torch.multiprocessing
+    write it to a ``pytorch-errorfile-*.pickle`` in the temp folder that nothing removes."""
     from trainer.train import main
 
-    code = main(list(argv))
+    try:
+        code = main(list(argv))
+    except Exception as exc:  # noqa: BLE001 - said here, the code tells the orchestrator
+        log.error("rank crashed: %s: %s", type(exc).__name__, exc)
+        log.debug("the crash", exc_info=True)
+        code = ExitCode.CRASH
     if code:
         sys.exit(int(code))  # the agent reads the process's exit code
 
@@ -124,6 +131,11 @@ def run(argv: Sequence[str]) -> int:
         )
     if args.master_port is None:
         args.master_port = 29500
+    if args.log_dir is None:
+        # torchrun's default is a torchelastic_* temp folder that nothing ever removes, for
+        # per-rank error files nothing here reads: a rank's exit code tells the orchestrator
+        # what happened, its traceback is in its output.
+        args.log_dir = os.devnull
     # Only the trainer itself can be forked from here (it is what this process imported).
     trainer = bool(args.module) and args.training_script == "trainer"
     fork = args.start_method == START_FORK and trainer and _can_fork()

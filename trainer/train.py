@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from infra import storage
 from infra.config_sources import ConfigError
-from infra.control import Phase, RankControl
+from infra.control import ENV_STANDBY, Phase, RankControl
 from infra.exit_codes import ExitCode
 from infra.lease import JobLocked, trainer_lease
 from infra.ledger import Ledger, Mark, Span, next_attempt, recover_orphaned_spools
@@ -343,7 +343,11 @@ def _fmt(metrics: dict[str, float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """A rank's process: never outlives its launcher, tells the orchestrator its exit code."""
     die_with_parent()
-    control = RankControl.from_env(int(os.environ.get("LOCAL_RANK", "0")))
+    try:
+        control = RankControl.from_env(int(os.environ.get("LOCAL_RANK", "0")))
+    except FileNotFoundError as exc:  # the orchestrator ended this attempt before it started
+        log.warning("not started: the control channel is gone (%s)", exc.filename)
+        return ExitCode.SUCCESS if os.environ.get(ENV_STANDBY) == "1" else ExitCode.PREEMPTED
     code: int = ExitCode.CRASH
     try:
         code = _main(argv, control)

@@ -20,13 +20,17 @@ from prefect.events.worker import EventsWorker
 
 import flows.train_flow as train_module
 from flows.report_flow import ett_report_flow
+from infra.preflight import PreflightError
 from infra.settings import dump_config
 from tasks.attempts import LaunchSpec
 from tasks.events import ANCHOR_EVENT
 from tasks.report import artifact_key
-from tests.factories import tiny_config
+from tests.factories import tiny_config, write_dataset
 
 FAKE = str(Path(__file__).resolve().parents[1] / "fake_trainer.py")
+# No side evaluator: the fake trainer's checkpoints hold no model to evaluate (it would wait
+# for its anchor's evaluation until EVAL_FINISH_TIMEOUT_S).
+FAKE_TRAIN = {"steps": 20, "log_every": 2, "eval": "off"}
 pytestmark = pytest.mark.slow
 
 
@@ -63,7 +67,8 @@ def _artifact(key: str):
 def test_train_flow_recovers_emits_anchor_and_reports(
     tmp_path: Path, prefect_server: str, events: EventsWorker, fake_trainer: None
 ) -> None:
-    config = tiny_config(tmp_path, job_id="flow-ok", train={"steps": 20, "log_every": 2})
+    config = tiny_config(tmp_path, job_id="flow-ok", train=FAKE_TRAIN)
+    write_dataset(config)  # the fake trainer reads none, but the flow checks it is there
     path = tmp_path / "job.yaml"
     dump_config(config, path)
     faults = [{"kind": "crash", "step": 8, "attempt": 0}]
@@ -102,7 +107,8 @@ def test_train_flow_recovers_emits_anchor_and_reports(
 def test_train_flow_fails_clearly_and_still_reports(
     tmp_path: Path, prefect_server: str, events: EventsWorker, fake_trainer: None
 ) -> None:
-    config = tiny_config(tmp_path, job_id="flow-bad", train={"steps": 20, "log_every": 2})
+    config = tiny_config(tmp_path, job_id="flow-bad", train=FAKE_TRAIN)
+    write_dataset(config)
     path = tmp_path / "job.yaml"
     dump_config(config, path)
     faults = [{"kind": "crash", "step": 3, "attempt": a} for a in range(2)]
@@ -130,3 +136,23 @@ def test_train_flow_fails_clearly_and_still_reports(
     plots = ml.list_artifacts(fleet["mlflow_run_id"], "fleet")  # in MLflow, not on local disk
     assert {"fleet/ett_trend.png", "fleet/fleet.md"} <= {a.path for a in plots}
     assert "flow-bad" in _artifact(artifact_key("ett-fleet", config.tracking.experiment)).data
+
+
+def test_train_flow_refuses_a_config_naming_no_data_before_any_attempt(
+    tmp_path: Path, prefect_server: str, fake_trainer: None
+) -> None:
+    """What the config names is checked first (infra/preflight.py): the flow run fails with
+    the one line that ``ett train`` prints, and no attempt is launched."""
+    config = tiny_config(tmp_path, job_id="flow-no-data")  # its data was never generated
+    path = tmp_path / "job.yaml"
+    dump_config(config, path)
+
+    state = train_module.train_flow(config=str(path), return_state=True)
+
+    assert state.is_failed()
+    with pytest.raises(PreflightError) as caught:
+        state.result()
+    line = str(caught.value)
+    assert line.startswith(f"data.url ({config.data.url}): no parquet shards"), line
+    assert line in state.message and "\n" not in line
+    assert not (tmp_path / "store" / "jobs" / "flow-no-data").exists()  # no attempt, no ledger

@@ -32,7 +32,7 @@ import flows.train_flow as train_module
 from infra import servers
 from infra.settings import JobConfig, dump_config
 from tasks.attempts import LaunchSpec
-from tests.factories import ROOT, tiny_config
+from tests.factories import ROOT, tiny_config, write_dataset
 
 pytestmark = pytest.mark.slow
 
@@ -121,9 +121,11 @@ def _job(tmp_path: Path, job_id: str, mlflow_uri: str) -> tuple[JobConfig, Path]
     config = tiny_config(
         tmp_path,
         job_id=job_id,
-        train={"steps": 20, "log_every": 2},
+        # No side evaluator: the fake trainer's checkpoints hold no model to evaluate.
+        train={"steps": 20, "log_every": 2, "eval": "off"},
         tracking={"mlflow_uri": mlflow_uri, "experiment": EXPERIMENT},
     )
+    write_dataset(config)  # the fake trainer reads none, but the flow checks it is there
     path = tmp_path / "job.yaml"
     dump_config(config, path)
     return config, path

@@ -56,8 +56,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import StagingOptions
 
 from infra import processes, storage
+from infra.control import scratch_dir
 from infra.ledger import Ledger
-from infra.settings import CheckpointMode, EvalMode, JobConfig, dump_config
+from infra.settings import CheckpointMode, EvalMode, JobConfig, config_yaml
 from trainer.checkpoint.manifest import (
     MANIFEST,
     CheckpointError,
@@ -137,7 +138,7 @@ class Checkpointer:
         self.root = checkpoints_url(config.job_url)
         self.remote = storage.local_path(self.root) is None
         remove_stale_spools(config.job_id, rank)
-        self.spool = tempfile.mkdtemp(prefix=f"{_spool_prefix(config.job_id, rank)}{os.getpid()}-")
+        self._spool: str | None = None  # made by the first save that needs it
         self._stager: ShardedStateStager | None = None
         self._inflight: InFlight | None = None
         self._abandoned: threading.Thread | None = None  # past the preemption budget
@@ -151,10 +152,18 @@ class Checkpointer:
         self._rank_state: Mapping[str, Stateful] = {}  # to this rank's JSON state, by key
         # The config never changes: render its YAML once, not in every save's blocking time
         # (yaml's pure-Python emitter takes 10-30 ms, as long as staging 64 MB).
-        rendered = os.path.join(self.spool, "config.yaml")
-        dump_config(config, rendered)
-        with open(rendered) as fh:
-            self._config_yaml = fh.read()
+        self._config_yaml = config_yaml(config)
+
+    @property
+    def spool(self) -> str:
+        """This process's local folder for checkpoints bound for an object store, made at
+        the first save that needs one: a process that never saves there (a standby that is
+        released, storage on local disk) leaves none in the temp folder; one killed while
+        uploading leaves it in its attempt's control folder (infra.control.scratch_dir)."""
+        if self._spool is None:
+            prefix = f"{_spool_prefix(self.config.job_id, self.rank)}{os.getpid()}-"
+            self._spool = tempfile.mkdtemp(prefix=prefix, dir=scratch_dir())
+        return self._spool
 
     def _shared_token(self) -> str:
         """A random token, the same on every rank (rank 0's), for the saves' nonces. Sent
@@ -563,4 +572,5 @@ class Checkpointer:
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
-            shutil.rmtree(self.spool, ignore_errors=True)
+            if self._spool is not None:
+                shutil.rmtree(self._spool, ignore_errors=True)

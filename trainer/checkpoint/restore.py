@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from infra import storage
+from infra.control import scratch_dir
 from infra.settings import CheckpointMode, JobConfig
 from trainer.checkpoint.manifest import (
     CheckpointCorrupt,
@@ -110,7 +111,7 @@ def load_into(
     """Verify the checkpoint, fill ``state`` in place, and return this rank's JSON state.
     Errors: see ``fetch``; a verified checkpoint DCP cannot load is a CheckpointError
     (incompatible: its files are exactly what was committed)."""
-    tmp = tempfile.mkdtemp(prefix="ett-restore-")
+    tmp = tempfile.mkdtemp(prefix="ett-restore-", dir=scratch_dir())
     try:
         local = fetch(ckpt, tmp)
         try:

@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from infra import storage
+from infra import data_layout, storage
 from infra.settings import DataConfig
 from trainer.data import criteo
 from trainer.data.decode import DataError, bad_label, decode
@@ -40,18 +40,17 @@ _LOGGED_BAD_ROWS = 10
 
 
 def list_shards(data: DataConfig, split: str = "train") -> list[str]:
-    """The URLs of a split's shards, sorted: ``{url}/{split}/*.parquet`` (or ``*.tsv``)."""
-    ext = "tsv" if data.format == "criteo" else "parquet"
-    pattern = storage.join(data.url, split, f"*.{ext}")
-    found = storage.glob(pattern)
+    """The URLs of a split's shards, sorted (layout: infra/data_layout.py); DataError when
+    there are none."""
+    found = data_layout.list_shards(data, split)
     if not found:
-        raise DataError(f"no {data.format} shards match {pattern}")
+        raise DataError(f"no {data.format} shards match {data_layout.shard_pattern(data, split)}")
     return found
 
 
 def check_meta(data: DataConfig) -> dict[str, Any] | None:
     """Compare ``{url}/_meta.json`` (when present) with the config; DataError names a mismatch."""
-    url = storage.join(data.url, "_meta.json")
+    url = storage.join(data.url, data_layout.META)
     if not storage.exists(url):
         return None
     try:
