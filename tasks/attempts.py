@@ -176,12 +176,25 @@ class AttemptProcess:
             "ETT_ATTEMPT": str(number),
         }
         commands = spec.commands(_free_port(), f"ett-attempt{number}-{os.getpid()}")
-        for node, (command, control) in enumerate(zip(commands, attempt.controls, strict=True)):
-            node_env = {**base_env, **control.env(standby)}
+        try:
+            attempt._launch(commands, base_env, log)
+        except BaseException:  # interrupted half-way: what started, and its folders, go
+            attempt.end(0.0, preempt=False)
+            raise
+        kind = "standby" if standby else "attempt"
+        pooled = f" ({attempt.pooled} launcher(s) from the agent pool)" if attempt.pooled else ""
+        log.info("%s %d started%s: %s", kind, number, pooled, " ".join(commands[0]))
+        return attempt
+
+    def _launch(self, commands: list[list[str]], base_env: dict[str, str], log: Log) -> None:
+        """One launcher per node: claimed from the agent pool when it can serve, else new."""
+        spec = self.spec
+        for node, (command, control) in enumerate(zip(commands, self.controls, strict=True)):
+            node_env = {**base_env, **control.env(self.standby)}
             proc: subprocess.Popen[str] | PooledLauncher | None = None
             if spec.agent_pool:
                 proc = claim(spec.agent_pool, command, node_env, log)
-                attempt.pooled += proc is not None
+                self.pooled += proc is not None
             if proc is None:
                 proc = subprocess.Popen(
                     command,
@@ -192,13 +205,9 @@ class AttemptProcess:
                     text=True,
                     start_new_session=True,  # its own group: a Ctrl-C of ours is not its signal
                 )
-            attempt.procs.append(proc)
-            prefix = f"[attempt {number}{' standby' if standby else ''} node {node}] "
-            attempt.pumps.append(OutputPump(proc.stdout, log, prefix if spec.nnodes > 1 else ""))
-        kind = "standby" if standby else "attempt"
-        pooled = f" ({attempt.pooled} launcher(s) from the agent pool)" if attempt.pooled else ""
-        log.info("%s %d started%s: %s", kind, number, pooled, " ".join(commands[0]))
-        return attempt
+            self.procs.append(proc)
+            prefix = f"[attempt {self.number}{' standby' if self.standby else ''} node {node}] "
+            self.pumps.append(OutputPump(proc.stdout, log, prefix if spec.nnodes > 1 else ""))
 
     # -- looking at it ---------------------------------------------------------------------
     def progress(self) -> Progress | None:

@@ -6,19 +6,24 @@ in the temp folder is found there, and nothing another test's processes make is;
 is shared by the whole machine, so only its entries that name the job, or that are new since
 the job started, are the job's. A job's processes are those whose command line names its
 temp folder (its config file lives there: torchrun agents, their forked ranks, the side
-evaluator), found the way an operator would (tests/procs.py).
+evaluator), found the way an operator would (tests/procs.py); one attempt's by a marker in
+their environment and the ``ETT_ATTEMPT`` the orchestrator gives each launch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
 import signal
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
+from infra import storage
 from infra.settings import JobConfig, dump_config
 from tests import procs
 from tests.factories import ROOT
@@ -29,13 +34,18 @@ SHM = Path("/dev/shm")
 # every torch program of this user shares it. Not the job's, so not its to remove.
 SHARED = frozenset({f"torchinductor_{getpass.getuser()}"})
 GONE_WITHIN_S = 30.0  # how long an exited job's processes and shm entries may take to go
+MARKER = "ETT_TEST_JOB_MARKER"  # in the environment of every process a test's job starts
 
 
 class EttTrain:
     """``ett train --config FILE [flags]`` in a new session, its stdout and stderr in files."""
 
-    def __init__(self, config: JobConfig, tmp_path: Path, *flags: str) -> None:
+    def __init__(
+        self, config: JobConfig, tmp_path: Path, *flags: str, env: dict[str, str] | None = None
+    ) -> None:
+        self.config = config
         self.job_id = config.job_id
+        self.marker = uuid.uuid4().hex
         self.tmpdir = tmp_path / "tmp"  # the job's TMPDIR
         self.tmpdir.mkdir()
         path = tmp_path / f"{config.job_id}.yaml"
@@ -44,16 +54,18 @@ class EttTrain:
         self.started = time.time()
         self.tmp_before = set(os.listdir(self.tmpdir))
         self.shm_before = set(os.listdir(SHM))
-        env = {
+        full_env = {
             **os.environ,
             "PYTHONPATH": str(ROOT),
             "OMP_NUM_THREADS": "1",
             "TMPDIR": str(self.tmpdir),
+            MARKER: self.marker,
+            **(env or {}),
         }
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
                 [str(ETT), "train", "--config", str(path), *flags],
-                env=env,
+                env=full_env,
                 stdout=out,
                 stderr=err,
                 cwd=str(tmp_path),
@@ -77,6 +89,40 @@ class EttTrain:
             assert self.proc.poll() is None, f"ett exited before {text!r}:\n{self.tail()}"
             assert time.monotonic() < deadline, f"no {text!r} in {timeout} s:\n{self.tail()}"
             time.sleep(0.05)
+
+    def wait_until(self, what: str, check: Callable[[], bool], timeout: float = 240) -> None:
+        """Until ``check()`` holds (e.g. a ledger line appeared); AssertionError if ``ett``
+        exits or ``timeout`` passes first."""
+        deadline = time.monotonic() + timeout
+        while not check():
+            assert self.proc.poll() is None, f"ett exited before {what}:\n{self.tail()}"
+            assert time.monotonic() < deadline, f"no {what} in {timeout} s:\n{self.tail()}"
+            time.sleep(0.02)
+
+    def ledger_says(self, name: str, mark: str) -> bool:
+        """Whether ledger file ``name`` (``trainer-attempt001-rank000.jsonl``) holds a
+        ``mark`` line: read as text, as ``tail -f`` would."""
+        path = Path(storage.local_path(self.config.job_url) or "", "ledger", name)
+        try:
+            return f'"name":"{mark}"' in path.read_text(errors="replace")
+        except OSError:
+            return False
+
+    def attempt(self, number: int) -> list[int]:
+        """Live processes of one attempt (its torchrun agent and ranks)."""
+        return procs.carrying(**{MARKER: self.marker, "ETT_ATTEMPT": str(number)})
+
+    def kill(self, number: int, ranks_only: bool = False, sig: int = signal.SIGKILL) -> list[int]:
+        """Signal an attempt's processes from outside: all of them, or only its ranks (a
+        forked rank keeps its agent's command line and environment: it is the child)."""
+        pids = self.attempt(number)
+        if ranks_only:
+            pids = [p for p in pids if p not in procs.launchers(pids)]
+        assert pids, f"attempt {number} has no process to signal:\n{self.tail()}"
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        return pids
 
     def signal(self, sig: signal.Signals) -> None:
         """``sig`` to the ``ett`` process alone, as ``kill`` or a terminal's Ctrl-C would."""

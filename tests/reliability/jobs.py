@@ -11,7 +11,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -20,11 +19,8 @@ from typing import Any
 
 from infra import processes, storage
 from infra.settings import JobConfig, dump_config
-from tests import procs
 from tests.factories import ROOT, tiny_config, trainer_command
 from trainer.checkpoint.manifest import checkpoints_url, step_dir_name
-
-MARKER = "ETT_TEST_JOB_MARKER"  # in the environment of every process a test's job starts
 
 
 def job_config(tmp_path: Path, data_url: str, steps: int, **sections: Any) -> JobConfig:
@@ -125,92 +121,3 @@ def run_to_end(
         if trainer.proc.poll() is None:
             trainer.kill()
         trainer.assert_gone()
-
-
-ETT = Path(sys.executable).with_name("ett")  # the console script of the installed package
-
-
-class EttTrain:
-    """``ett train --config FILE [flags]`` as a user starts it, in the background, its output
-    in a file. Every process it starts inherits a marker in its environment, so a test
-    finds them from outside (``tests/procs.carrying``): an attempt by ``ETT_ATTEMPT``."""
-
-    def __init__(
-        self, config: JobConfig, tmp_path: Path, *flags: str, env: dict[str, str] | None = None
-    ) -> None:
-        self.config = config
-        self.marker = uuid.uuid4().hex
-        path = tmp_path / f"{config.job_id}-{self.marker[:6]}.yaml"
-        dump_config(config, path)
-        self.log = tmp_path / f"{config.job_id}-{self.marker[:6]}.log"
-        full_env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "OMP_NUM_THREADS": "1",
-            MARKER: self.marker,
-            **(env or {}),
-        }
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(
-                [str(ETT), "train", "--config", str(path), *flags],
-                env=full_env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=str(tmp_path),
-                start_new_session=True,
-            )
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def ledger_says(self, name: str, mark: str) -> bool:
-        """Whether ledger file ``name`` (e.g. ``trainer-attempt001-rank000.jsonl``) holds a
-        ``mark`` line (read as text, as ``tail -f`` would)."""
-        path = Path(storage.local_path(self.config.job_url) or "", "ledger", name)
-        try:
-            return f'"name":"{mark}"' in path.read_text(errors="replace")
-        except OSError:
-            return False
-
-    def wait_until(self, what: str, check: Callable[[], bool], timeout: float = 240) -> None:
-        deadline = time.monotonic() + timeout
-        while not check():
-            if self.proc.poll() is not None:
-                raise AssertionError(f"ett train exited before {what}:\n{self.output()[-4000:]}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no {what} within {timeout} s:\n{self.output()[-4000:]}")
-            time.sleep(0.02)
-
-    def attempt(self, number: int) -> list[int]:
-        """Live processes of one attempt (its torchrun agent and ranks)."""
-        return procs.carrying(**{MARKER: self.marker, "ETT_ATTEMPT": str(number)})
-
-    def kill(self, number: int, ranks_only: bool = False, sig: int = signal.SIGKILL) -> list[int]:
-        """Signal an attempt's processes from outside: all of them, or only its ranks (a
-        forked rank keeps its agent's command line and environment; it is the child)."""
-        pids = self.attempt(number)
-        if ranks_only:
-            pids = [p for p in pids if p not in procs.launchers(pids)]
-        assert pids, f"attempt {number} has no process to kill:\n{self.output()[-3000:]}"
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        return pids
-
-    def wait(self, timeout: float = 300) -> int:
-        return self.proc.wait(timeout=timeout)
-
-    def assert_gone(self) -> None:
-        """Nothing ``ett train`` started outlives it."""
-        deadline = time.monotonic() + 30
-        while left := procs.carrying(**{MARKER: self.marker}):
-            assert time.monotonic() < deadline, f"processes outlived ett train: {left}"
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        """A test that failed half-way: end everything it started."""
-        for pid in procs.carrying(**{MARKER: self.marker}):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)

@@ -21,7 +21,8 @@ from infra.ett import report_for_job
 from infra.ett_report import to_markdown
 from infra.mlflow_client import client
 from tests.flows.test_cli import ett
-from tests.reliability.jobs import EttTrain, job_config
+from tests.reliability.ett_job import EttTrain
+from tests.reliability.jobs import job_config
 
 pytestmark = pytest.mark.slow
 
@@ -52,10 +53,10 @@ def test_a_fallback_past_a_corrupt_checkpoint_is_named_everywhere_the_report_goe
         data[len(data) // 2] ^= 0xFF
         shard.write_bytes(bytes(data))
         job.kill(0, ranks_only=True)
-        assert job.wait() == 0, job.output()[-4000:]
-        job.assert_gone()
+        assert job.wait() == 0, job.tail()
+        job.assert_left_nothing()
     finally:
-        job.stop()
+        job.end()
 
     report = report_for_job(config.job_url)
     assert report.finished and report.num_steps == STEPS

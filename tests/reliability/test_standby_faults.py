@@ -17,7 +17,8 @@ import pytest
 from infra.ett import report_for_job
 from infra.ett_report import format_table
 from infra.ledger import Mark, read_events
-from tests.reliability.jobs import EttTrain, job_config
+from tests.reliability.ett_job import EttTrain
+from tests.reliability.jobs import job_config
 
 pytestmark = pytest.mark.slow
 
@@ -56,10 +57,10 @@ def test_a_standby_killed_while_parked_is_replaced_and_the_job_reports_whole(
             lambda: job.ledger_says(_file("trainer", 2), Mark.ATTEMPT_START),
         )
         job.kill(0, ranks_only=True)  # then the primary's rank
-        assert job.wait() == 0, job.output()[-4000:]
-        job.assert_gone()
+        assert job.wait() == 0, job.tail()
+        job.assert_left_nothing()
     finally:
-        job.stop()
+        job.end()
     out = job.output()
     assert "standby attempt 1 lost while parked (killed by SIGKILL" in out
     assert "promoting standby attempt 2" in out
@@ -97,10 +98,10 @@ def test_a_standby_killed_as_it_is_promoted_is_a_failure_and_a_cold_attempt_fini
         )
         time.sleep(0.1)
         job.kill(1)
-        assert job.wait() == 0, job.output()[-4000:]
-        job.assert_gone()
+        assert job.wait() == 0, job.tail()
+        job.assert_left_nothing()
     finally:
-        job.stop()
+        job.end()
     report = report_for_job(job.config.job_url)
     assert report.finished and report.num_steps == STEPS, format_table(report)
     outcomes = [(a.attempt, a.outcome) for a in report.attempts]
