@@ -47,7 +47,7 @@ def test_a_fallback_past_a_corrupt_checkpoint_is_named_everywhere_the_report_goe
             lambda: any(c.step >= 100 for c in committed_checkpoints(config.job_url)),
         )
         job.kill(0, ranks_only=True, sig=signal.SIGSTOP)  # nothing commits while we look
-        newest = committed_checkpoints(config.job_url)[0]
+        newest, previous = committed_checkpoints(config.job_url)[:2]
         shard = Path(newest.url.removeprefix("file://"), "__1_0.distcp")
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0xFF
@@ -58,24 +58,23 @@ def test_a_fallback_past_a_corrupt_checkpoint_is_named_everywhere_the_report_goe
     finally:
         job.end()
 
-    report = report_for_job(config.job_url)
-    assert report.finished and report.num_steps == STEPS
-    [resume] = [r for r in report.resumes if r.how == "promoted"]
-    assert resume.skipped == ((newest.step, "checksum mismatch in __1_0.distcp", True),)
-    assert resume.step < newest.step and resume.newest_step == newest.step
     line = (
-        f"attempt 1 (promoted standby) resumed from step {resume.step}, step {newest.step} "
+        f"attempt 1 (promoted standby) resumed from step {previous.step}, step {newest.step} "
         "quarantined: checksum mismatch in __1_0.distcp"
     )
-    assert resume.describe() == line
-    # Redone because of the fallback: the steps between the two checkpoints, at most.
-    assert 0 < report.fallback_redone_s <= report.buckets["wasted_training"]
-
     shown = ett("report", "fallback", "--config", str(tmp_path / "report.yaml"), cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
     assert "What recovery did" in shown.stdout and line in shown.stdout
     assert "of which redone after a checkpoint fallback" in shown.stdout
+    report = report_for_job(config.job_url)
+    assert report.finished and report.num_steps == STEPS
+    [resume] = [r for r in report.resumes if r.how == "promoted"]
+    assert resume.skipped == ((newest.step, "checksum mismatch in __1_0.distcp", True),)
+    assert (resume.step, resume.newest_step) == (previous.step, newest.step)
+    assert resume.describe() == line
     assert line in to_markdown(report)  # the Prefect ETT artifact's text
+    # Redone because of the fallback: the steps between the two checkpoints, at most.
+    assert 0 < report.fallback_redone_s <= report.buckets["wasted_training"]
 
     logged = ett(
         "report", "fallback", "--log", "--config", str(tmp_path / "report.yaml"), cwd=tmp_path

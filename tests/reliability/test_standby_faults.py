@@ -42,29 +42,20 @@ def _file(kind: str, attempt: int) -> str:
 def test_a_standby_killed_while_parked_is_replaced_and_the_job_reports_whole(
     tmp_path: Path, data_url: str
 ) -> None:
+    """The finding's scenario: standby 1 SIGKILLed once parked, the primary's rank SIGKILLed
+    three seconds later. The job finishes and its report shows every attempt and step."""
     job = EttTrain(_config(tmp_path, data_url, "lost-standby"), tmp_path, "--backoff-s", "0")
     try:
         job.wait_until(
             "standby 1 parked", lambda: job.ledger_says(_file("trainer", 1), "standby_ready")
         )
         job.kill(1)  # the parked standby: its agent and its rank
-        job.wait_until(
-            "the orchestrator to mark standby 1 lost",
-            lambda: job.ledger_says(_file("orchestrator", 1), Mark.STANDBY_LOST),
-        )
-        job.wait_until(
-            "a replacement standby (attempt 2)",
-            lambda: job.ledger_says(_file("trainer", 2), Mark.ATTEMPT_START),
-        )
+        time.sleep(3.0)  # the finding's three seconds: the job trains on meanwhile
         job.kill(0, ranks_only=True)  # then the primary's rank
         assert job.wait() == 0, job.tail()
         job.assert_left_nothing()
     finally:
         job.end()
-    out = job.output()
-    assert "standby attempt 1 lost while parked (killed by SIGKILL" in out
-    assert "promoting standby attempt 2" in out
-
     report = report_for_job(job.config.job_url)
     assert report.finished and report.num_steps == STEPS, format_table(report)
     assert [(a.attempt, a.outcome) for a in report.attempts] == [(0, "failed"), (2, "completed")]
@@ -72,6 +63,9 @@ def test_a_standby_killed_while_parked_is_replaced_and_the_job_reports_whole(
     assert (lost.attempt, lost.parked, lost.cause) == (1, True, "sigkill")
     assert [f.cause for f in report.failures] == ["sigkill"]  # the lost standby is no failure
     assert [s.attempt for s in report.standbys] == [2]  # the replacement, promoted
+    out = job.output()
+    assert "standby attempt 1 lost while parked (killed by SIGKILL" in out
+    assert "promoting standby attempt 2" in out
     # Every attempt number is its own: no trainer file mixes a dead standby with a launch.
     events = read_events(job.config.job_url)
     starts = [(e.attempt, e.attrs.get("standby")) for e in events if e.name == Mark.ATTEMPT_START]
