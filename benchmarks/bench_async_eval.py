@@ -4,7 +4,8 @@ The demo model and holdout (50k rows), 1 rank, eager, a checkpoint every ``--eve
 trained twice one after the other on the same data:
 
 - in-loop: the trainer evaluates every ``--every`` steps (training stops meanwhile);
-- async: the trainer does not evaluate; ``python -m trainer.evaluator`` runs beside it and
+- async: the trainer does not evaluate; ``python -m trainer.checkpoint_evaluator`` runs beside it
+and
   evaluates the same steps from their checkpoints (the trainer's config has
   ``eval_every: 0``, the evaluator's copy the real interval).
 
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from infra.ledger import Span, read_events  # noqa: E402
+from infra.accounting.ledger import Span, read_events  # noqa: E402
 from infra.settings import JobConfig, dump_config, load_config  # noqa: E402
 from tests.factories import run_trainer, write_dataset  # noqa: E402
 
@@ -88,7 +89,7 @@ def main() -> int:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "trainer.evaluator", "--config", str(path)],
+            [sys.executable, "-m", "trainer.checkpoint_evaluator", "--config", str(path)],
             stdin=subprocess.PIPE,
             stdout=fh,
             stderr=subprocess.STDOUT,

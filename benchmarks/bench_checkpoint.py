@@ -56,8 +56,9 @@ from torch.distributed._shard.sharded_tensor import (  # noqa: E402
 )
 
 from benchmarks.save import save_json  # noqa: E402
-from infra import servers, storage  # noqa: E402
-from infra.ledger import Ledger, read_events  # noqa: E402
+from infra import storage  # noqa: E402
+from infra.accounting.ledger import Ledger, read_events  # noqa: E402
+from infra.devstack import servers  # noqa: E402
 from infra.settings import JobConfig, load_config  # noqa: E402
 from tests.factories import HeldState  # noqa: E402
 from trainer.checkpoint.checkpointer import Checkpointer  # noqa: E402

@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from infra.ett import BUCKETS, EttReport, report_for_job  # noqa: E402
+from infra.accounting.ett import BUCKETS, EttReport, report_for_job  # noqa: E402
 from infra.settings import dump_config, load_config  # noqa: E402
 
 VARIANTS = ("baseline", "optimized")
@@ -185,7 +185,7 @@ def agent_pool(work: Path, enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
-    from infra.agent_pool import ENV_POOL
+    from infra.agent_protocol import ENV_POOL
     from infra.processes import repo_pythonpath
     from tests.factories import PoolProcess
 
@@ -244,7 +244,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from infra.ett_report import COLORS
+    from infra.accounting.report import COLORS
 
     fig, ax = plt.subplots(figsize=(10, 2.8))
     for i, r in enumerate(rows):
@@ -347,8 +347,8 @@ def main() -> int:
 
 def simulate(work: Path, folder: Path) -> None:
     """``ett simulate --baseline ... --optimized ...`` on the two runs just measured."""
-    from infra.scaling import ScalingLaws
-    from infra.simulate_report import format_text, run_simulate, write_outputs
+    from infra.whatif.scaling import ScalingLaws
+    from infra.whatif.simulate_report import format_text, run_simulate, write_outputs
 
     jobs = {v: job_url(work, v) for v in VARIANTS}
     result = run_simulate(jobs, ScalingLaws(), days=30)

@@ -46,7 +46,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 import torch  # noqa: E402
 
 from benchmarks.save import save_json  # noqa: E402
-from infra.ledger import Ledger  # noqa: E402
+from infra.accounting.ledger import Ledger  # noqa: E402
 from infra.settings import load_config  # noqa: E402
 from trainer.data.synthetic import generate  # noqa: E402
 from trainer.init_stages import Initializer  # noqa: E402

@@ -8,8 +8,8 @@ that imported torch, TorchRec, the trainer and the compiler before the job exist
 every job the pool has an agent parked again and nothing else runs, so the pool's refill
 never overlaps the start being measured.
 
-Each job's Time to Start comes from its ledger (infra/ett.py: the job's first event to its
-first step), with the spans it is made of: ``launcher_init`` (spawn or claim -> the trainer
+Each job's Time to Start comes from its ledger (infra/accounting/ett.py: the job's first event to
+its first step), with the spans it is made of: ``launcher_init`` (spawn or claim -> the trainer
 runs), the compile cache load and the compile warm-up.
 
     .venv/bin/python benchmarks/bench_pool.py [--repeat 3] [--steps 40] [--work-dir W]
@@ -35,9 +35,9 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.save import save_json  # noqa: E402
-from infra.agent_pool import ENV_POOL  # noqa: E402
-from infra.ett import report_for_job  # noqa: E402
-from infra.ledger import read_events  # noqa: E402
+from infra.accounting.ett import report_for_job  # noqa: E402
+from infra.accounting.ledger import read_events  # noqa: E402
+from infra.agent_protocol import ENV_POOL  # noqa: E402
 from infra.processes import repo_pythonpath  # noqa: E402
 from infra.settings import dump_config, load_config  # noqa: E402
 from tests.factories import PoolProcess  # noqa: E402

@@ -10,12 +10,12 @@ ending with an anchor checkpoint:
 - decoupled (the product): the job ends at the anchor; ``python -m publish`` then runs as a
   separate CPU process (what the Prefect ``publish`` flow runs on a CPU worker).
 
-Shutdown = last train_step end (rank 0's ledger, infra.ledger.read_events) -> job end (the
-torchrun process exited, timed by this script). Publish time = the publisher's ledger spans
-(publish_load/export/validate/register) and, decoupled, the publisher process's wall time
-(with its imports). Modes alternate per repeat; each mode registers into its own registered
-model, so repeats after the first re-score a champion in both modes alike. MLflow: a SQLite
-store in the work dir (or --tracking-uri, e.g. the local stack's server).
+Shutdown = last train_step end (rank 0's ledger, infra.accounting.ledger.read_events) -> job end
+(the torchrun process exited, timed by this script). Publish time = the publisher's ledger spans
+(publish_load/export/validate/register) and, decoupled, the publisher process's wall time (with its
+imports). Modes alternate per repeat; each mode registers into its own registered model, so repeats
+after the first re-score a champion in both modes alike. MLflow: a SQLite store in the work dir (or
+--tracking-uri, e.g. the local stack's server).
 
     .venv/bin/python benchmarks/bench_publish.py [--nproc 2 --steps 40 --repeats 2]
 
@@ -69,7 +69,7 @@ def job_config(work: Path, job_id: str, args: argparse.Namespace, tracking_uri: 
 
 
 def last_step_end(job_url: str) -> float:
-    from infra.ledger import read_events
+    from infra.accounting.ledger import read_events
 
     ends = [e.end for e in read_events(job_url) if e.name == "train_step" and e.rank == 0]
     if not ends:
@@ -80,7 +80,7 @@ def last_step_end(job_url: str) -> float:
 def trainer_end(job_url: str) -> float:
     """When rank 0's trainer finished (its job_end mark): what follows is in-job publishing
     (coupled) or just process exit (decoupled)."""
-    from infra.ledger import read_events
+    from infra.accounting.ledger import read_events
 
     marks = [e.end for e in read_events(job_url) if e.name == "job_end" and e.rank == 0]
     if not marks:
@@ -89,7 +89,7 @@ def trainer_end(job_url: str) -> float:
 
 
 def publish_spans(job_url: str) -> dict[str, float]:
-    from infra.ledger import PUBLISH_SPANS, read_events
+    from infra.accounting.ledger import PUBLISH_SPANS, read_events
 
     spans = [e for e in read_events(job_url) if e.name in PUBLISH_SPANS]
     out = {e.name: round(e.duration, 3) for e in spans}
@@ -98,7 +98,7 @@ def publish_spans(job_url: str) -> dict[str, float]:
 
 
 def anchor_url(job_url: str) -> str:
-    from infra.ledger import read_events
+    from infra.accounting.ledger import read_events
 
     marks = [e for e in read_events(job_url) if e.name == "anchor_committed"]
     if not marks:

@@ -15,7 +15,7 @@ Modes: ``standby`` is the default product (warm standby promoted on a failure, a
 recovered in process); ``cold`` relaunches a new torchrun per failure (no standby, no
 in-process restart). Kinds and modes are interleaved per repeat; medians over ``--repeats``.
 
-Time to Recover comes from the job's ETT report (infra/ett.py): from the failed attempt's
+Time to Recover comes from the job's ETT report (infra/accounting/ett.py): from the failed attempt's
 last event (or the in-process restart mark) to the first step of the training that follows.
 
     .venv/bin/python benchmarks/bench_recovery.py [--repeats 3] [--kinds crash,preemption]
@@ -42,8 +42,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from benchmarks.save import save_json  # noqa: E402
 from infra import processes  # noqa: E402
+from infra.accounting.ett import report_for_job  # noqa: E402
 from infra.control import Phase, Progress  # noqa: E402
-from infra.ett import report_for_job  # noqa: E402
 from infra.settings import JobConfig, dump_config, load_config  # noqa: E402
 from tasks.attempts import JobRunner, LaunchSpec, RetryPolicy, Timeouts  # noqa: E402
 from tests import procs  # noqa: E402

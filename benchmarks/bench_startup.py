@@ -9,12 +9,12 @@ its own empty local inductor dir; they share a dataset and a compile-cache URL, 
     restart         warm + parallel, SIGKILLed at --kill-at, then a second attempt that
                     resumes from the last checkpoint (Time to Recover incl. restore)
 
-From each job's ledger (infra/ett.py): the compile span (the warm-up on the fast batch), the
-first step, Time to Start, the init stages' sum and the longest single chain of sub-stages
-through the init graph (trainer/init_stages.STAGE_DEPS, with each stage's measured time).
-Targets: warm compile <= 40% of cold; parallel Time to Start <= 1.15 x its longest chain;
-the restarted attempt's start (its first event -> first step) <= warm start + its restore.
-Ratios come from one run (the machine is shared: absolute times are noisy).
+From each job's ledger (infra/accounting/ett.py): the compile span (the warm-up on the fast batch),
+the first step, Time to Start, the init stages' sum and the longest single chain of sub-stages
+through the init graph (trainer/init_stages.STAGE_DEPS, with each stage's measured time). Targets:
+warm compile <= 40% of cold; parallel Time to Start <= 1.15 x its longest chain; the restarted
+attempt's start (its first event -> first step) <= warm start + its restore. Ratios come from one
+run (the machine is shared: absolute times are noisy).
 
     .venv/bin/python benchmarks/bench_startup.py [--steps 10 --repeat 3 --cold-parallel]
 
@@ -37,8 +37,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.save import save_json  # noqa: E402
-from infra.ett import compute_report  # noqa: E402
-from infra.ledger import INIT_SPANS, Event, read_events  # noqa: E402
+from infra.accounting.ett import compute_report  # noqa: E402
+from infra.accounting.ledger import INIT_SPANS, Event, read_events  # noqa: E402
 from tests.factories import run_trainer, tiny_config, write_dataset  # noqa: E402
 from trainer.init_stages import STAGE_DEPS  # noqa: E402
 

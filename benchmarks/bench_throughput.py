@@ -3,7 +3,7 @@
 Each run trains the demo model on the same generated data under torchrun (gloo on CPU),
 with checkpoints and evaluation off; step time comes from the ledger's train_step spans
 (steady state: the first 10 steps are skipped), so start-up is not mixed in. MFU comes
-from the same ledger (infra/mfu.py): "steady" divides the median step's model FLOPs (all
+from the same ledger (infra/accounting/mfu.py): "steady" divides the median step's model FLOPs (all
 ranks) by the median step time and nproc x the device peak; "job" is the report's MFU over
 all effective steps, and "ETT x MFU" the job's end-to-end efficiency. "Busiest rank FLOPs
 / mean" is the per-step work imbalance across ranks (median over steps; 1.0 is even), what
@@ -37,9 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.save import save_json  # noqa: E402
-from infra.ett import compute_report  # noqa: E402
-from infra.ledger import read_events  # noqa: E402
-from infra.mfu import cpu_peak, mfu_report  # noqa: E402
+from infra.accounting.ett import compute_report  # noqa: E402
+from infra.accounting.ledger import read_events  # noqa: E402
+from infra.accounting.mfu import cpu_peak, mfu_report  # noqa: E402
 from infra.settings import load_config  # noqa: E402
 from tests.factories import run_trainer  # noqa: E402
 

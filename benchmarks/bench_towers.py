@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.save import save_json  # noqa: E402
-from infra.ledger import read_events  # noqa: E402
+from infra.accounting.ledger import read_events  # noqa: E402
 from infra.settings import load_config  # noqa: E402
 from tests.factories import run_trainer  # noqa: E402
 

@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 # Imported before training, as a trainer with inline publishing would at start-up: the
 # import cost lands in the job's start, not in its shutdown.
-from infra.checkpoints import committed_checkpoints  # noqa: E402
+from infra.checkpoint_manifest import committed_checkpoints  # noqa: E402
 from infra.settings import load_config  # noqa: E402
 from publish.pipeline import publish  # noqa: E402
 from trainer.train import main as train_main  # noqa: E402

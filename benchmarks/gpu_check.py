@@ -44,9 +44,9 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from infra import storage  # noqa: E402
-from infra.ett import report_for_job  # noqa: E402
-from infra.ledger import Mark, read_events  # noqa: E402
-from infra.mfu import mfu_for_job  # noqa: E402
+from infra.accounting.ett import report_for_job  # noqa: E402
+from infra.accounting.ledger import Mark, read_events  # noqa: E402
+from infra.accounting.mfu import mfu_for_job  # noqa: E402
 from infra.processes import terminate_tree  # noqa: E402
 from infra.settings import dump_config, load_config  # noqa: E402
 from tasks.attempts import LaunchSpec  # noqa: E402

@@ -66,7 +66,7 @@ def _publish_parent() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from infra import stack
+    from infra.devstack import stack
 
     parser = _Parser(prog="ett", description="Effective Training Time pipeline")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs, tracebacks")
@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _simulate_arguments(p: argparse.ArgumentParser) -> None:
-    from infra.scaling import ANCHOR, ScalingLaws
+    from infra.whatif.scaling import ANCHOR, ScalingLaws
 
     p.add_argument("job", nargs="?", help="a measured job: id (under storage.root) or URL")
     p.add_argument("--baseline", metavar="JOB", help="the baseline run (id or URL)")

@@ -27,22 +27,22 @@ def _config(args: argparse.Namespace) -> JobConfig:
 
 # -- subcommands ------------------------------------------------------------------------------
 def cmd_generate(args: argparse.Namespace) -> int:
-    from infra import progress
+    from infra import progress_bars
     from trainer.data.synthetic import files_to_write, generate, generate_daily
 
     config = _config(args)
     files = files_to_write(config.data)
     if args.daily:
-        from infra.windows import DEFAULT_ROOT
+        from infra.daily_windows import DEFAULT_ROOT
 
         root = args.url or DEFAULT_ROOT
-        with progress.counter(files * args.daily, "generate", "file") as bar:
+        with progress_bars.counter(files * args.daily, "generate", "file") as bar:
             written = generate_daily(config.data, root, args.daily, on_file=bar.update)
         new = sum(1 for _, fresh in written if fresh)
         print(f"{len(written)} daily windows under {root} ({new} new), newest {written[-1][0]}")
         return 0
     url = args.url or config.data.url
-    with progress.counter(files, "generate", "file") as bar:
+    with progress_bars.counter(files, "generate", "file") as bar:
         meta = generate(config.data, url, on_file=bar.update)
     print(
         f"wrote {meta['train_rows']} train + {meta['holdout_rows']} holdout rows to {url}; "
@@ -91,8 +91,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     torchrun starts. SIGINT (Ctrl-C) exits 130 and SIGTERM 143, after the running attempt's
     emergency checkpoint."""
     from infra import storage
+    from infra.accounting.ledger import next_attempt
     from infra.lease import JobLocked
-    from infra.ledger import next_attempt
     from infra.preflight import PreflightError, preflight
     from tasks.attempts import LaunchSpec, RetryPolicy
     from tasks.job import run_job, timeouts_for
@@ -131,7 +131,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_pool(args: argparse.Namespace) -> int:
     """Keep trainer agents parked until stopped (SIGTERM, Ctrl-C); orchestrators whose
     environment has ETT_AGENT_POOL=<socket> claim them instead of starting cold."""
-    from infra.agent_pool import ENV_POOL, socket_path_default
+    from infra.agent_protocol import ENV_POOL, socket_path_default
     from tasks.agent_pool import AgentPool
 
     path = args.socket or socket_path_default()
@@ -154,7 +154,7 @@ def cmd_pool(args: argparse.Namespace) -> int:
 def _job_url(args: argparse.Namespace, config: JobConfig) -> str:
     """The job's URL; UserError naming the jobs that exist when it has no ledger."""
     from infra import storage
-    from infra.ledger import ledger_url
+    from infra.accounting.ledger import ledger_url
 
     storage.configure(config.storage)
     jobs_root = storage.join(config.storage.root, "jobs")
@@ -178,9 +178,9 @@ def _config_at(config: JobConfig, job_url: str) -> JobConfig:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from infra import tables
-    from infra.ett import report_for_job
-    from infra.ett_report import plot_breakdown, sections
-    from infra.mfu import mfu_for_job
+    from infra.accounting.ett import report_for_job
+    from infra.accounting.mfu import mfu_for_job
+    from infra.accounting.report import plot_breakdown, sections
 
     config = _config(args)
     job_url = _job_url(args, config)
@@ -191,13 +191,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.log:
         from mlflow.exceptions import MlflowException
 
-        from infra import tracking
-        from infra.run_metadata import redact_url
+        from infra.tracking import mlflow_runs
+        from infra.tracking.run_metadata import redact_url
 
         job = _config_at(config, job_url)
         where = redact_url(config.tracking.mlflow_uri)
         try:
-            run_id, _ = tracking.log_job(job)
+            run_id, _ = mlflow_runs.log_job(job)
         except MlflowException as exc:
             print(
                 f"error: could not log {job.job_id} to MLflow at {where}: {exc.message}",
@@ -209,7 +209,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_advise(args: argparse.Namespace) -> int:
-    from infra.advisor import optimal_interval
+    from infra.whatif.advisor import optimal_interval
 
     advice = optimal_interval(
         blocking_s=args.blocking_s,
@@ -222,8 +222,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:
-    from infra.fleet import fleet_summary
-    from infra.fleet_report import show_fleet, write_files
+    from infra.whatif.fleet import fleet_summary
+    from infra.whatif.fleet_report import show_fleet, write_files
 
     config = _config(args)
     summary = fleet_summary(
@@ -237,8 +237,8 @@ def cmd_fleet(args: argparse.Namespace) -> int:
 
 
 def cmd_stack(args: argparse.Namespace) -> int:
-    from infra import stack
-    from infra.servers import StackError
+    from infra.devstack import stack
+    from infra.devstack.servers import StackError
 
     try:
         return stack.run(args)
@@ -266,9 +266,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Validate measured jobs against the model, then project them to many GPUs."""
     from infra import storage
-    from infra.scaling import ScalingLaws
-    from infra.simulate_report import run_simulate, tables, write_outputs
     from infra.tables import show
+    from infra.whatif.scaling import ScalingLaws
+    from infra.whatif.simulate_report import run_simulate, tables, write_outputs
 
     config = _config(args)
     storage.configure(config.storage)

@@ -104,7 +104,7 @@ def wait_for_triggered_publish(deployment_id: Any, job_id: str, timeout_s: float
 
 def _published_version(tracking_uri: str, model: str, job_id: str) -> dict[str, Any] | None:
     """The registered version made from ``job_id``'s anchor (what the triggered run did)."""
-    from infra.mlflow_client import client as mlflow_client
+    from infra.tracking.client import client as mlflow_client
 
     client = mlflow_client(tracking_uri)
     found = client.search_model_versions(f"name = '{model}' AND tags.job_id = '{job_id}'")
@@ -126,9 +126,9 @@ def run_demo(steps: int | None = None, nproc: int = 1, config: str | None = None
     server = prefect_server()  # before the heavy imports: a server that is down fails fast
     from flows.publish_flow import publish_flow
     from flows.train_flow import train_flow
-    from infra import progress, storage, tables
-    from infra.ett import report_for_job
-    from infra.ett_report import sections
+    from infra import progress_bars, storage, tables
+    from infra.accounting.ett import report_for_job
+    from infra.accounting.report import sections
     from infra.settings import dump_config, load_config
     from tasks.train import ensure_data
 
@@ -137,7 +137,7 @@ def run_demo(steps: int | None = None, nproc: int = 1, config: str | None = None
     job_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     storage.configure(base.storage)
     t0 = time.monotonic()
-    with progress.stages(STAGES, "demo") as stage:
+    with progress_bars.stages(STAGES, "demo") as stage:
         stage("data")
         with tempfile.TemporaryDirectory(prefix="ett-demo-") as tmp:
             path = os.path.join(tmp, "demo.yaml")

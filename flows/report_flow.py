@@ -1,7 +1,7 @@
 """The ``ett-report`` flow: the fleet view of an MLflow experiment, in Prefect and MLflow.
 
 ETT% per job over time, Time to Start / Time to Recover distributions, lost time per job and
-regressions against the trailing median (infra/fleet.py). The summary is a markdown artifact
+regressions against the trailing median (infra/whatif/fleet.py). The summary is a markdown artifact
 of the flow run; the plots and tables go to an MLflow run of the experiment (``ett.kind =
 fleet``) that the flow run links to. Deployed in prefect.yaml; run it by hand or on a schedule.
 """

@@ -2,7 +2,7 @@
 
 1. The window: the newest complete date partition ``dt=YYYY-MM-DD`` under ``data_root``
    (complete = it holds ``_meta.json`` or ``_SUCCESS``, written last by the producer;
-   ``ett generate --daily N`` writes synthetic ones, infra/windows.py). No complete window,
+   ``ett generate --daily N`` writes synthetic ones, infra/daily_windows.py). No complete window,
    or the newest one trained already: the run ends, Completed, saying so (nothing to do is
    not a failure of a scheduled run).
 2. The warm start: the current champion of the registered model (MLflow alias ``champion``)
@@ -25,7 +25,7 @@ from prefect.states import Completed, State
 
 from flows.run_names import retrain_run_name
 from flows.train_flow import train_flow
-from infra import storage, windows
+from infra import daily_windows, storage
 from infra.settings import load_config
 from tasks.events import find_anchor
 from tasks.logs import logger
@@ -47,15 +47,15 @@ def latest_window(data_root: str) -> Window | None:
     found = [
         Window(m.group(1), storage.join(data_root, name))
         for name in storage.listdir(data_root)
-        if (m := windows.PARTITION.fullmatch(name))
+        if (m := daily_windows.PARTITION.fullmatch(name))
     ]
     for window in sorted(found, key=lambda w: w.date, reverse=True):
-        if any(storage.exists(storage.join(window.url, m)) for m in windows.COMPLETE_MARKERS):
+        if any(storage.exists(storage.join(window.url, m)) for m in daily_windows.COMPLETE_MARKERS):
             return window
         logger().warning(
             "skipping incomplete partition %s (no %s yet)",
             window.url,
-            " or ".join(windows.COMPLETE_MARKERS),
+            " or ".join(daily_windows.COMPLETE_MARKERS),
         )
     return None
 
@@ -71,7 +71,7 @@ def champion_anchor(tracking_uri: str, registered_model: str) -> str | None:
     """The anchor checkpoint URI of the model's champion version, None if there is none."""
     from mlflow.exceptions import MlflowException
 
-    from infra.mlflow_client import client as mlflow_client
+    from infra.tracking.client import client as mlflow_client
 
     client = mlflow_client(tracking_uri)
     try:
@@ -103,7 +103,7 @@ def _nothing_to_do(message: str, **result: Any) -> State:
 @flow(name="retrain", flow_run_name=retrain_run_name, log_prints=True)
 def retrain_flow(
     config: str | None = None,
-    data_root: str = windows.DEFAULT_ROOT,
+    data_root: str = daily_windows.DEFAULT_ROOT,
     job_prefix: str | None = None,
     nproc: int = 1,
     max_failures: int = 3,

@@ -29,8 +29,8 @@ from prefect.runtime import flow_run
 
 from flows.run_names import train_run_name
 from infra import storage
+from infra.accounting.ledger import next_attempt
 from infra.control import Phase, Progress
-from infra.ledger import next_attempt
 from tasks.artifacts import show_job
 from tasks.attempts import LaunchSpec, RetryPolicy
 from tasks.events import emit_anchor_committed, find_anchor

@@ -20,7 +20,7 @@ import uuid
 from urllib.parse import urlsplit
 
 from infra import data_layout, storage
-from infra.checkpoints import CheckpointError, read_manifest
+from infra.checkpoint_manifest import CheckpointError, read_manifest
 from infra.config_sources import redact_url
 from infra.settings import CheckpointMode, EvalMode, JobConfig
 
@@ -142,7 +142,7 @@ def _checkpoints(config: JobConfig) -> None:
 
 def _mlflow_uri(uri: str) -> None:
     """Parseable as MLflow parses it, and a scheme it has a tracking store for; not
-    contacted (a server that is down does not stop training: see infra/tracking.py)."""
+    contacted (a server that is down does not stop training: see infra/tracking/mlflow_runs.py)."""
     problem = _mlflow_problem(uri)
     if problem is not None:
         raise PreflightError("tracking.mlflow_uri", uri, problem)

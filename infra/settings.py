@@ -151,7 +151,9 @@ class EvalMode(StrEnum):
     """Where holdout evaluation runs (every ``train.eval_every`` steps and at the end)."""
 
     INLINE = "inline"  # in the training loop: training waits for it
-    ASYNC = "async"  # a side process evaluates committed checkpoints (trainer/evaluator.py)
+    ASYNC = (
+        "async"  # a side process evaluates committed checkpoints (trainer/checkpoint_evaluator.py)
+    )
     OFF = "off"
 
 

@@ -52,7 +52,7 @@ BREAKS = (
     Break(
         "B1",
         "a re-done step's first execution counts as effective instead of its last",
-        "infra/ett.py",
+        "infra/accounting/ett.py",
         (
             (
                 "        last_exec[e.step if e.step is not None else id(e)] = e\n",
@@ -64,7 +64,7 @@ BREAKS = (
     Break(
         "B2",
         "publish spans counted in the job's wall time",
-        "infra/ett.py",
+        "infra/accounting/ett.py",
         (
             (
                 "OFF_JOB_SPANS = frozenset((*PUBLISH_SPANS, Span.ASYNC_EVAL))",
@@ -212,7 +212,7 @@ BREAKS = (
     Break(
         "B13",
         "a ledger spool whose recovery upload failed is deleted all the same",
-        "infra/ledger.py",
+        "infra/accounting/ledger.py",
         (
             (
                 "                completed.append(url)\n"
@@ -259,14 +259,14 @@ BREAKS = (
     Break(
         "B20",
         "a process's times are taken from its wall clock (the monotonic readings ignored)",
-        "infra/clocks.py",
+        "infra/accounting/clocks.py",
         (("            t = m + offset\n", "            t = w\n"),),
         CLOCK_TESTS,
     ),
     Break(
         "B21",
         "a line may hold a time later than the lines written after it",
-        "infra/clocks.py",
+        "infra/accounting/clocks.py",
         (
             (
                 "            hi = statistics.median(later) + tol if later else math.inf\n",
@@ -278,7 +278,7 @@ BREAKS = (
     Break(
         "B22",
         "the processes of one host keep their own offsets (not aligned to its newest one)",
-        "infra/clocks.py",
+        "infra/accounting/clocks.py",
         (
             (
                 "            by_domain[src.clock.domain].append(src)\n",
@@ -302,14 +302,14 @@ BREAKS = (
     Break(
         "B24",
         "every redone step after a fallback is counted as redone because of it",
-        "infra/ett.py",
+        "infra/accounting/ett.py",
         (("            if r.step < e.step <= newest:\n", "            if r.step < e.step:\n"),),
         ("tests/infra/test_ett.py",),
     ),
     Break(
         "B25",
         "a standby known only by its standby_lost mark is taken for an attempt",
-        "infra/ett.py",
+        "infra/accounting/ett.py",
         (("    standby = set(ready) | set(lost)\n", "    standby = set(ready)\n"),),
         ("tests/infra/test_ett.py",),
     ),
@@ -342,7 +342,7 @@ BREAKS = (
     Break(
         "B18",
         "a parked agent's code fingerprint covers each file's path and size, not its content",
-        "infra/agent_pool.py",
+        "infra/agent_protocol.py",
         (("            h.update(data)\n", ""),),
         (
             "tests/tasks/test_agent_pool.py::test_what_a_parked_agent_must_share_with_its_job",

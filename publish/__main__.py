@@ -58,14 +58,14 @@ def main(argv: list[str] | None = None) -> int:
         overrides["require_anchor"] = False
     from mlflow.exceptions import MlflowException  # heavy imports (torch, mlflow) after parsing
 
-    from infra import progress
+    from infra import progress_bars
     from publish.pipeline import STAGES, publish
 
     try:
         # stdout carries only the JSON result (MLflow prints run links there).
         with (
             contextlib.redirect_stdout(sys.stderr),
-            progress.stages([name for name, _ in STAGES], "publishing") as enter,
+            progress_bars.stages([name for name, _ in STAGES], "publishing") as enter,
         ):
             result = publish(
                 args.uri, args.step, args.job_id, args.mlflow_run_id, overrides, on_stage=enter

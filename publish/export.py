@@ -42,10 +42,10 @@ from mlflow.entities import Param
 from mlflow.exceptions import MlflowException
 from mlflow.utils import mlflow_tags
 
-from infra import tracking
-from infra.mlflow_client import client, ensure_experiment
-from infra.run_metadata import source_tags
 from infra.settings import JobConfig
+from infra.tracking import mlflow_runs
+from infra.tracking.client import client, ensure_experiment
+from infra.tracking.run_metadata import source_tags
 from publish import serving
 from publish.load import AnchorRef, LoadedAnchor, plain_state_dict
 from publish.settings import PublishError
@@ -168,7 +168,7 @@ def stage_code(into: str) -> list[str]:
 
 def connect(tracking_uri: str) -> MlflowClient:
     """Point this process's MLflow (fluent API and pyfunc loading) at ``tracking_uri``, with
-    every HTTP call bounded (infra.mlflow_client.client)."""
+    every HTTP call bounded (infra.tracking.client.client)."""
     mlflow.set_tracking_uri(tracking_uri)
     mlflow.set_registry_uri(tracking_uri)
     return client(tracking_uri)
@@ -190,7 +190,7 @@ def find_training_run(client: MlflowClient, config: JobConfig, job_id: str) -> s
     """The job's run, looked up by job id when the caller did not name it (the job started
     while MLflow was down, say, and its run was made at its end)."""
     exp = client.get_experiment_by_name(config.tracking.experiment)
-    run = tracking.find_job_run(client, exp.experiment_id, job_id) if exp else None
+    run = mlflow_runs.find_job_run(client, exp.experiment_id, job_id) if exp else None
     return run.info.run_id if run is not None else None
 
 
@@ -218,8 +218,8 @@ def open_publish_run(
         client, config.tracking.experiment, client.tracking_uri
     )
     tags = {
-        tracking.KIND_TAG: "publish",
-        tracking.PARENT_JOB_TAG: ref.manifest.job_id or config.job_id,
+        mlflow_runs.KIND_TAG: "publish",
+        mlflow_runs.PARENT_JOB_TAG: ref.manifest.job_id or config.job_id,
         "ett.anchor_key": ref.key,
         mlflow_tags.MLFLOW_RUN_NOTE: _description(config, ref, holdout_rows),
         **source_tags("flows/publish_flow.py"),
@@ -271,7 +271,7 @@ def export(loaded: LoadedAnchor, example: pd.DataFrame, run_id: str, workdir: st
             metadata={"anchor_uri": loaded.ref.uri, "anchor_step": loaded.ref.step},
             # The model page's "Logged from" and commit: this code, not the caller's script
             # (Prefect's engine, or publish/__main__.py).
-            tags=tracking.source_tags("flows/publish_flow.py"),
+            tags=source_tags("flows/publish_flow.py"),
         )
         mlflow.log_artifact(os.path.join(loaded.local_dir, "config.yaml"), "anchor")
         experiment_id = run.info.experiment_id

@@ -7,7 +7,7 @@
 
 ``publish()`` runs exactly that; the Prefect flow (flows/publish_flow.py) runs each stage as
 a task. Spans go to the job's ledger in files of their own (role "publish", one attempt
-number per publish run; infra/ett.py leaves them out of the job's wall time), so the ETT
+number per publish run; infra/accounting/ett.py leaves them out of the job's wall time), so the ETT
 report shows the work that moved off the training job. A refused stage (a bad checkpoint, a
 failed validation) records its span with the error, ends the publish run FAILED and raises
 PublishError; nothing is registered before every validation passed. Any other error (MLflow
@@ -35,8 +35,8 @@ import mlflow
 from mlflow import MlflowClient
 
 from infra import storage
+from infra.accounting.ledger import Ledger, next_attempt
 from infra.config_sources import ConfigError
-from infra.ledger import Ledger, next_attempt
 from infra.settings import JobConfig, load_config
 from publish import export as export_mod
 from publish import registry, validate

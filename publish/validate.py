@@ -4,7 +4,7 @@ On the first ``holdout_rows`` rows of the job's holdout split (the same rows eve
 a champion is re-scored on exactly the rows its challenger saw):
 
 - parity: the exported pyfunc, loaded back from MLflow, against the trainer-side evaluation
-  (``trainer.evaluation.predict`` on the loaded RankingModel): max |diff| <= tolerance;
+  (``trainer.holdout_metrics.predict`` on the loaded RankingModel): max |diff| <= tolerance;
 - sanity: no NaN/inf prediction, both classes present, mean predicted CTR within
   ``calibration_ratio`` of the observed CTR, optional AUC floor;
 - quality: holdout AUC and log-loss (recorded; compared with the champion at registration).
@@ -28,13 +28,13 @@ import pandas as pd
 import torch
 from mlflow.data.meta_dataset import MetaDataset
 
-from infra.run_metadata import holdout_dataset
 from infra.settings import JobConfig
+from infra.tracking.run_metadata import holdout_dataset
 from publish import serving
 from publish.settings import PublishError, PublishSettings
 from trainer.data.batch import Batch
 from trainer.data.sequential import holdout_batches
-from trainer.evaluation import auc_and_logloss, predict
+from trainer.holdout_metrics import auc_and_logloss, predict
 
 METRIC_PREFIX = "publish."
 _NAMES = {"rows": "holdout_rows", "auc": "holdout_auc", "logloss": "holdout_logloss"}

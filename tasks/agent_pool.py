@@ -17,7 +17,7 @@ socket): the orchestrator sends the launch command, its environment and working 
 the write ends of two pipes (output, exit status); it gets back a ``PooledLauncher`` that
 stands in for the ``subprocess.Popen`` it would otherwise hold. A pool that is missing, busy
 (no agent parked), or whose agents imported other code or under other import-time settings
-(infra/agent_pool.py) refuses, and the orchestrator starts a fresh interpreter as usual.
+(infra/agent_protocol.py) refuses, and the orchestrator starts a fresh interpreter as usual.
 
 **Refilling** waits ``refill_delay_s`` after a claim, so the next agent's imports do not
 compete for the cores with the start of the job that was just handed one.
@@ -38,8 +38,8 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from infra import agent_pool, processes
-from infra.agent_pool import ENV_PARK_FD
+from infra import agent_protocol, processes
+from infra.agent_protocol import ENV_PARK_FD
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +109,10 @@ def claim(
                 "argv": command[3:],
                 "env": env,
                 "cwd": os.getcwd(),
-                "fingerprint": agent_pool.code_fingerprint(),
+                "fingerprint": agent_protocol.code_fingerprint(),
             }
-            agent_pool.send(sock, request, (out_w, status_w))
-            reply, _ = agent_pool.receive(sock)
+            agent_protocol.send(sock, request, (out_w, status_w))
+            reply, _ = agent_protocol.receive(sock)
         if "pid" not in reply:  # busy (refilling) is normal; anything else is worth a warning
             level = logging.INFO if reply.get("busy") else logging.WARNING
             why = reply.get("error")
@@ -184,7 +184,7 @@ class AgentPool:
 
     def _on_agent_message(self, agent: Parked) -> None:
         try:
-            message, _ = agent_pool.receive(agent.sock)
+            message, _ = agent_protocol.receive(agent.sock)
         except (EOFError, OSError):
             self._died(agent, "exited before it was claimed")
             return
@@ -227,7 +227,7 @@ class AgentPool:
     def _on_claim(self, conn: socket.socket) -> None:
         with conn:
             try:
-                request, fds = agent_pool.receive(conn, agent_pool.CLAIM_FDS)
+                request, fds = agent_protocol.receive(conn, agent_protocol.CLAIM_FDS)
             except (EOFError, OSError) as exc:
                 log.warning("agent pool: a bad claim: %s", exc)
                 return
@@ -237,11 +237,11 @@ class AgentPool:
                 for fd in fds:
                     os.close(fd)
             with contextlib.suppress(OSError):
-                agent_pool.send(conn, reply)
+                agent_protocol.send(conn, reply)
 
     def _hand_over(self, request: dict[str, Any], fds: list[int]) -> dict[str, Any]:
-        if len(fds) != agent_pool.CLAIM_FDS:
-            return {"error": f"a claim needs {agent_pool.CLAIM_FDS} pipes, got {len(fds)}"}
+        if len(fds) != agent_protocol.CLAIM_FDS:
+            return {"error": f"a claim needs {agent_protocol.CLAIM_FDS} pipes, got {len(fds)}"}
         ready = [a for a in self.parked if a.ready]
         if not ready:
             return {"error": "no agent parked yet", "busy": True}
@@ -250,11 +250,11 @@ class AgentPool:
             self._drop(agent, "imported other code than the claim runs: replaced")
             self.last_claim = float("-inf")  # park a fresh one now
             return {"error": "the parked agent imported other code (changed since it parked)"}
-        mismatch = agent_pool.import_env_mismatch(self.env, request.get("env", {}))
+        mismatch = agent_protocol.import_env_mismatch(self.env, request.get("env", {}))
         if mismatch:
             return {"error": f"the parked agent was imported under other settings: {mismatch}"}
         try:
-            agent_pool.send(agent.sock, request, tuple(fds))
+            agent_protocol.send(agent.sock, request, tuple(fds))
         except OSError as exc:
             self._drop(agent, f"could not take the claim ({exc})")
             return {"error": "the parked agent could not take the claim"}

@@ -14,8 +14,8 @@ from prefect import task
 from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from infra.ett import report_for_job
-from infra.run_metadata import redact_url
+from infra.accounting.ett import report_for_job
+from infra.tracking.run_metadata import redact_url
 from tasks.logs import logger
 from tasks.report import artifact_key
 
@@ -74,7 +74,7 @@ def mlflow_run_link(tracking_uri: str, run_id: str, job_id: str) -> str | None:
     if mlflow_ui(tracking_uri) is None:
         logger().info("MLflow at %s has no web UI to link to", redact_url(tracking_uri))
         return None
-    from infra.mlflow_client import client as mlflow_client
+    from infra.tracking.client import client as mlflow_client
 
     experiment_id = mlflow_client(tracking_uri).get_run(run_id).info.experiment_id
     url = mlflow_run_url(tracking_uri, experiment_id, run_id)

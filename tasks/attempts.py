@@ -57,12 +57,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from infra import clocks, processes
-from infra.agent_pool import ENV_POOL
+from infra import processes
+from infra.accounting import clocks
+from infra.accounting.ledger import Ledger, Mark, Span, domains_ahead, recover_orphaned_spools
+from infra.agent_protocol import ENV_POOL
 from infra.control import Command, ControlDir, Phase, Progress
 from infra.exit_codes import ExitCode, Outcome, name_of, outcome_of
 from infra.lease import acquire_job_lease
-from infra.ledger import Ledger, Mark, Span, domains_ahead, recover_orphaned_spools
 from tasks.agent_pool import PooledLauncher, claim
 
 POLL_S = 0.05  # how often a watched attempt is looked at (a file read and a waitpid)

@@ -15,7 +15,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 
-from infra.checkpoints import committed_checkpoints
+from infra.checkpoint_manifest import committed_checkpoints
 from tasks.logs import logger
 
 ANCHOR_EVENT = "ett.checkpoint.anchor.committed"

@@ -16,8 +16,8 @@ from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from infra import fleet, fleet_report
-from infra.tracking import log_fleet_report
+from infra.tracking.mlflow_runs import log_fleet_report
+from infra.whatif import fleet, fleet_report
 from tasks.artifacts import mlflow_run_url
 from tasks.logs import logger
 from tasks.report import artifact_key
@@ -27,9 +27,10 @@ TIMEOUT_S = 600  # reads every job run of the experiment, then logs four plots
 
 def _log_to_mlflow(summary: fleet.FleetSummary, tracking_uri: str) -> tuple[str, str] | None:
     """The fleet view (plots, markdown, text, JSON, fleet totals) in the experiment's fleet
-    run (infra.tracking.log_fleet_report); returns (experiment id, run id), None when the
+    run (infra.tracking.mlflow_runs.log_fleet_report); returns (experiment id, run id), None when
+    the
     experiment has no reported job yet. The files only pass through a temporary folder."""
-    from infra.mlflow_client import client as mlflow_client
+    from infra.tracking.client import client as mlflow_client
 
     if not summary.jobs:
         return None

@@ -23,7 +23,7 @@ from tasks.attempts import (
     RetryPolicy,
     Timeouts,
 )
-from tasks.evaluator import SideEvaluator
+from tasks.side_evaluator import SideEvaluator
 
 # Time the side evaluator gets, after training, to evaluate the anchor checkpoint.
 EVAL_FINISH_TIMEOUT_S = 300.0

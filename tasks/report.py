@@ -19,15 +19,15 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from infra import tracking
-from infra.ett import EttReport, report_for_job
-from infra.ett_report import format_table, to_markdown
+from infra.accounting.ett import EttReport, report_for_job
+from infra.accounting.report import format_table, to_markdown
 from infra.settings import JobConfig
+from infra.tracking import mlflow_runs
 from tasks.attempts import AttemptReport
 from tasks.logs import logger
 
 # How long the end of a flow waits for attempt logs still in flight (each call is bounded by
-# infra.mlflow_client.HTTP_DEFAULTS; this only caps a long queue behind a hung server).
+# infra.tracking.client.HTTP_DEFAULTS; this only caps a long queue behind a hung server).
 PENDING_WAIT_S = 60.0
 
 _background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ett-tracking")
@@ -44,7 +44,7 @@ def artifact_key(*parts: str) -> str:
 def start_tracking(config: JobConfig) -> str | None:
     """The job's MLflow run id (a re-run job gets its run back); None if MLflow is down."""
     try:
-        return tracking.start_job_run(config)
+        return mlflow_runs.start_job_run(config)
     except Exception as exc:  # noqa: BLE001 - tracking must not stop training
         logger().warning(
             "MLflow unavailable (%s): training continues; the job is logged from its ledger "
@@ -63,7 +63,7 @@ def log_attempt(run_id: str | None, tracking_uri: str, report: AttemptReport) ->
 
     def send() -> None:
         try:
-            tracking.log_attempt(run_id, report, tracking_uri=tracking_uri)
+            mlflow_runs.log_attempt(run_id, report, tracking_uri=tracking_uri)
         except Exception as exc:  # noqa: BLE001 - filled in at the end of the flow
             log.warning("could not log attempt %d to MLflow: %s", report.attempt, exc)
 
@@ -95,7 +95,7 @@ def report_job(
     )
     _drain_pending()
     try:
-        run_id, _ = tracking.log_job(
+        run_id, _ = mlflow_runs.log_job(
             config, run_id, succeeded=succeeded, extra_metrics=extra_metrics
         )
     except Exception as exc:  # noqa: BLE001 - the ledger keeps everything for later

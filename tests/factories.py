@@ -101,7 +101,7 @@ def assert_bit_identical(clean: JobConfig, faulted: JobConfig, steps: int) -> No
     """Both jobs' anchors are at ``steps`` and hold exactly the same tensors."""
     import torch
 
-    from infra.checkpoints import committed_checkpoints
+    from infra.checkpoint_manifest import committed_checkpoints
 
     [a, b] = [committed_checkpoints(c.job_url)[0] for c in (clean, faulted)]
     assert a.step == b.step == steps and a.manifest.anchor and b.manifest.anchor
@@ -114,7 +114,7 @@ def assert_bit_identical(clean: JobConfig, faulted: JobConfig, steps: int) -> No
 
 def resume_marks(config: JobConfig) -> list[tuple[int, int, bool]]:
     """(attempt, step, in_process) of every resume mark of rank 0, in order."""
-    from infra.ledger import Mark, read_events
+    from infra.accounting.ledger import Mark, read_events
 
     marks = [e for e in read_events(config.job_url) if e.name == Mark.RESUME and e.rank == 0]
     return [(e.attempt, e.step, bool(e.attrs.get("in_process"))) for e in marks]

@@ -40,10 +40,10 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from infra import storage  # noqa: E402
-from infra.checkpoints import MANIFEST, Manifest, checkpoints_url, step_dir_name  # noqa: E402
+from infra.accounting.ledger import Ledger, Mark, Span  # noqa: E402
+from infra.checkpoint_manifest import MANIFEST, Manifest, checkpoints_url, step_dir_name  # noqa: E402
 from infra.control import Command, Phase, RankControl  # noqa: E402
 from infra.exit_codes import ExitCode  # noqa: E402
-from infra.ledger import Ledger, Mark, Span  # noqa: E402
 
 STEP_S = float(os.environ.get("FAKE_STEP_S", "0.02"))
 

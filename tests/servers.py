@@ -1,4 +1,4 @@
-"""Session-scoped fixtures that run the real local servers of infra/servers.py for tests.
+"""Session-scoped fixtures that run the real local servers of infra/devstack/servers.py for tests.
 
 Import them into tests/conftest.py:
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from infra import servers
+from infra.devstack import servers
 
 STARTUP_TIMEOUT_S = 240.0  # generous: 2 shared cores
 _NEEDS = {"s3_server": ("s3",), "mlflow_server": ("s3", "mlflow"), "prefect_server": ("prefect",)}

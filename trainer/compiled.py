@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from infra.ledger import Ledger
+from infra.accounting.ledger import Ledger
 from infra.settings import JobConfig
 from trainer.model import DenseInteraction
 

@@ -1,6 +1,6 @@
 """Model FLOPs of a training step, counted analytically at the batch's real history lengths.
 
-MFU (infra/mfu.py) divides these by the device's peak. Only matrix products count, as in
+MFU (infra/accounting/mfu.py) divides these by the device's peak. Only matrix products count, as in
 the usual MFU definition: the MLPs, the pairwise dot interaction, the attention tower's
 projections and its attention (QK^T and PV over each jagged sequence at its own length,
 never the padded one). Embedding lookups, norms and the optimizers are memory-bound and
@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from infra.ledger import Ledger, Mark
-from infra.mfu import cpu_model
+from infra.accounting.ledger import Ledger, Mark
+from infra.accounting.mfu import cpu_model
 from infra.settings import DataConfig, JobConfig, ModelConfig
 
 
@@ -73,7 +73,7 @@ class ModelFlops:
 
 
 def device_attrs(device: torch.device, world_size: int) -> dict[str, Any]:
-    """What the steps run on, as infra/mfu.py looks up its peak: device type and name,
+    """What the steps run on, as infra/accounting/mfu.py looks up its peak: device type and name,
     matmul dtype (the model trains in fp32; TF32 when torch allows it on CUDA), threads."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)

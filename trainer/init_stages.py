@@ -41,8 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from infra.accounting.ledger import Ledger, Mark, Span
 from infra.control import Command, Phase, RankControl
-from infra.ledger import Ledger, Mark, Span
 from infra.settings import EvalMode, JobConfig
 from trainer import compile_cache, compiled
 from trainer.checkpoint.checkpointer import Checkpointer

@@ -20,7 +20,7 @@ each for time to start or time to recover:
   instead of parsing torchrun's summary.
 
 ``python -m trainer.launch --park`` is the same launcher started ahead of its job by a warm
-agent pool (tasks/agent_pool.py, protocol in infra/agent_pool.py): it imports everything a
+agent pool (tasks/agent_pool.py, protocol in infra/agent_protocol.py): it imports everything a
 launch and its forked ranks need, the compiler included, says it is ready, and blocks on its
 socket (no CPU) until an orchestrator's claim hands it a command line, an environment, a
 working folder and its output and status pipes. From then on it is that launch.
@@ -37,7 +37,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from infra import agent_pool
+from infra import agent_protocol
 from infra.exit_codes import ExitCode, name_of
 from infra.processes import die_with_parent
 
@@ -188,15 +188,15 @@ def park(fd: int) -> int:
     sock = socket.socket(fileno=fd)
     # Taken before the imports: a file edited while they run (seconds) then differs from
     # what the claim compares, and this agent is refused rather than running stale code.
-    fingerprint = agent_pool.code_fingerprint()
+    fingerprint = agent_protocol.code_fingerprint()
     _preimport()
     try:
-        agent_pool.send(sock, {"ready": True, "pid": os.getpid(), "fingerprint": fingerprint})
-        claim, fds = agent_pool.receive(sock, agent_pool.CLAIM_FDS)
+        agent_protocol.send(sock, {"ready": True, "pid": os.getpid(), "fingerprint": fingerprint})
+        claim, fds = agent_protocol.receive(sock, agent_protocol.CLAIM_FDS)
     except (EOFError, OSError):  # the pool stopped (or released this agent) first
         return ExitCode.SUCCESS
     sock.close()
-    if len(fds) != agent_pool.CLAIM_FDS:
+    if len(fds) != agent_protocol.CLAIM_FDS:
         return ExitCode.USAGE
     out_fd, status_fd = fds
     die_with_parent(0)  # the pool no longer decides when this process ends
@@ -233,5 +233,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--park"]:
-        sys.exit(park(int(os.environ[agent_pool.ENV_PARK_FD])))
+        sys.exit(park(int(os.environ[agent_protocol.ENV_PARK_FD])))
     sys.exit(main())

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from infra import storage
-from infra.ledger import Ledger, Mark
+from infra.accounting.ledger import Ledger, Mark
 from infra.settings import JobConfig
 from trainer.checkpoint.manifest import CheckpointError, rank_state_name
 from trainer.checkpoint.restore import candidates, check_compatible, restore

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from infra.ledger import Ledger, Span
+from infra.accounting.ledger import Ledger, Span
 
 log = logging.getLogger(__name__)
 

@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 
 from infra import storage
+from infra.accounting.ledger import Ledger, Mark, Span, next_attempt, recover_orphaned_spools
 from infra.config_sources import ConfigError
 from infra.control import ENV_STANDBY, Phase, RankControl
 from infra.exit_codes import ExitCode
 from infra.lease import JobLocked, trainer_lease
-from infra.ledger import Ledger, Mark, Span, next_attempt, recover_orphaned_spools
 from infra.library_logs import quiet_library_dumps
 from infra.processes import die_with_parent
 from infra.settings import (
@@ -50,8 +50,8 @@ from trainer.checkpoint.state import tensor_states
 from trainer.consensus import StepConsensus
 from trainer.data.batch import Batch
 from trainer.data.decode import DataError
-from trainer.evaluation import evaluate
 from trainer.flops import record_model_flops
+from trainer.holdout_metrics import evaluate
 from trainer.init_stages import Components, Initializer, StandbyReleased
 from trainer.model import batch_to_kjts
 from trainer.restart import InProcessRestart

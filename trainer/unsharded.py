@@ -1,6 +1,6 @@
 """A checkpoint's model part -> one unsharded RankingModel on CPU, whatever world size wrote it.
 
-Shared by the publisher (publish/load.py) and the async evaluator (trainer/evaluator.py):
+Shared by the publisher (publish/load.py) and the async evaluator (trainer/checkpoint_evaluator.py):
 both read a checkpoint written by N ranks, whose embedding tables are sharded table-wise
 across them, into a single process without a process group. DCP's ``no_dist=True`` load
 reshards those shards into the plain tensors of one model. Verifying the files against the

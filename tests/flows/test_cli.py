@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra import servers, stack, tracking
-from infra.ett import report_for_job
+from infra.accounting.ett import report_for_job
+from infra.devstack import servers, stack
 from infra.exit_codes import ExitCode
 from infra.settings import JobConfig, dump_config
+from infra.tracking import mlflow_runs
 from tests.factories import ROOT, tiny_config
 from tests.infra.test_tracking import sqlite_store
 
@@ -209,8 +210,8 @@ def test_fleet(trained: Trained, request: pytest.FixtureRequest) -> None:
     config = trained.config.model_copy(
         update={"tracking": trained.config.tracking.model_copy(update={"mlflow_uri": store})}
     )
-    run_id = tracking.start_job_run(config)  # what the train flow logs for a job
-    tracking.log_job_report(run_id, report_for_job(config.job_url), config.job_url)
+    run_id = mlflow_runs.start_job_run(config)  # what the train flow logs for a job
+    mlflow_runs.log_job_report(run_id, report_for_job(config.job_url), config.job_url)
     out = trained.tmp / "fleet"
     proc = ett(
         "fleet",
@@ -247,10 +248,10 @@ def test_report_log_by_url_names_the_ledger_it_read(
     proc = ett("report", url, "--config", path, "--log", cwd=trained.tmp)
     assert proc.returncode == 0, proc.stderr
     assert "logged tiny to MLflow run" in proc.stdout
-    ml = tracking.client(store)
+    ml = mlflow_runs.client(store)
     experiment = ml.get_experiment_by_name(elsewhere.tracking.experiment)
     [run] = ml.search_runs([experiment.experiment_id], "attributes.run_name = 'tiny'")
-    assert run.data.tags[tracking.JOB_URL_TAG] == url
+    assert run.data.tags[mlflow_runs.JOB_URL_TAG] == url
     # A ledger outside a jobs/ folder is reported, but a run needs the job's id and root.
     flat = f"file://{trained.tmp}/flat"
     shutil.copytree(

@@ -43,7 +43,7 @@ from prefect.client.schemas.filters import (
 from prefect.deployments import run_deployment
 
 from infra import storage
-from infra.ledger import read_events
+from infra.accounting.ledger import read_events
 from infra.settings import JobConfig, dump_config
 from tests.factories import ROOT, tiny_config, write_dataset
 from tests.prefect_worker import deployed_worker

@@ -34,8 +34,8 @@ from prefect.client.schemas.filters import (
 from prefect.deployments import run_deployment
 
 from infra import storage
-from infra.ett import report_for_job
-from infra.ledger import read_events
+from infra.accounting.ett import report_for_job
+from infra.accounting.ledger import read_events
 from infra.settings import dump_config
 from tests.factories import tiny_config, write_dataset
 from tests.prefect_worker import deployed_worker

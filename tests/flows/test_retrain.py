@@ -10,7 +10,7 @@ from mlflow import MlflowClient
 
 from flows.retrain_flow import champion_anchor, latest_window, retrain_flow
 from infra import storage
-from infra.checkpoints import MANIFEST, Manifest
+from infra.checkpoint_manifest import MANIFEST, Manifest
 from infra.settings import dump_config
 from tests.factories import tiny_config
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from infra.ledger import Ledger
+from infra.accounting.ledger import Ledger
 
 T0 = 1_700_000_000.0
 

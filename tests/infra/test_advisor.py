@@ -9,11 +9,11 @@ import random
 import numpy as np
 import pytest
 
-from infra.advisor import DAY_S, advise_from_report, optimal_interval, waste_fraction
-from infra.checkpoint_cycles import segment, sweep
-from infra.ett import report_for_job
-from infra.job_model import JobModel
-from infra.simulate import SimResult, monte_carlo, replay, what_if
+from infra.accounting.ett import report_for_job
+from infra.whatif.advisor import DAY_S, advise_from_report, optimal_interval, waste_fraction
+from infra.whatif.checkpoint_cycles import segment, sweep
+from infra.whatif.simulate import SimResult, monte_carlo, replay, what_if
+from infra.whatif.simulated_job import JobModel
 from tests.infra.modeled_job import Plan, write_modeled_job
 from tests.infra.test_ett import _write_job
 

@@ -1,5 +1,5 @@
-"""Which ledger times the reader believes (infra/clocks.py): real writers on a real clock,
-their files then altered the way a fault alters them (a flipped digit, a clock that ran
+"""Which ledger times the reader believes (infra/accounting/clocks.py): real writers on a real
+clock, their files then altered the way a fault alters them (a flipped digit, a clock that ran
 ahead), read back through ``read_ledger``."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from infra import clocks
-from infra.clocks import TOLERANCE_S
-from infra.ett import report_for_job
-from infra.ledger import Event, Ledger, ledger_url, read_ledger
+from infra.accounting import clocks
+from infra.accounting.clocks import TOLERANCE_S
+from infra.accounting.ett import report_for_job
+from infra.accounting.ledger import Event, Ledger, ledger_url, read_ledger
 
 
 def _job(tmp_path: Path) -> str:
@@ -146,7 +146,7 @@ def test_another_hosts_lead_is_taken_from_the_bound_measured_at_resume(
     _write(job, 0, 10)
     monkeypatch.setattr(clocks, "_SHIFT", 0.0)
     monkeypatch.delenv(clocks.ENV_HOST)
-    from infra.ledger import domains_ahead
+    from infra.accounting.ledger import domains_ahead
 
     ahead = domains_ahead(job)
     assert list(ahead) == ["other-host/"] and 85.0 < ahead["other-host/"] <= 90.0

@@ -34,8 +34,9 @@ from pathlib import Path
 
 import pytest
 
-from infra import ett, storage
-from infra.ett import (
+from infra import storage
+from infra.accounting import ett
+from infra.accounting.ett import (
     FailureRecord,
     StandbyRecord,
     compute_report,
@@ -43,7 +44,7 @@ from infra.ett import (
     partition,
     report_for_job,
 )
-from infra.ledger import INIT_SPANS, Event, Ledger, ledger_url, read_events
+from infra.accounting.ledger import INIT_SPANS, Event, Ledger, ledger_url, read_events
 
 T0 = 1_700_000_000.0  # realistic Unix times: exactness must survive large magnitudes
 ROOT = Path(__file__).resolve().parents[2]
@@ -380,7 +381,7 @@ def test_invariants_on_random_ledgers(tmp_path) -> None:
 
 
 def test_rendering(tmp_path) -> None:
-    from infra.ett_report import format_table, plot_breakdown, to_markdown
+    from infra.accounting.report import format_table, plot_breakdown, to_markdown
 
     _write_job(str(tmp_path / "job"))
     r = report_for_job(str(tmp_path / "job"))

@@ -1,4 +1,4 @@
-"""infra/ett_report.py and infra/tables.py: what a user sees of a job's report."""
+"""infra/accounting/report.py and infra/tables.py: what a user sees of a job's report."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 from rich.console import Console
 
 from infra import tables
-from infra.ett import BUCKETS, report_for_job
-from infra.ett_report import COLORS, dominant_buckets, plot_breakdown, sections
-from infra.ledger import Ledger
+from infra.accounting.ett import BUCKETS, report_for_job
+from infra.accounting.ledger import Ledger
+from infra.accounting.report import COLORS, dominant_buckets, plot_breakdown, sections
 
 T0 = 1_700_000_000.0
 STEPS, STEP_S, GAP_S = 1200, 0.060, 0.002  # 2 ms between steps: "other" time

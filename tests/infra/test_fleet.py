@@ -1,5 +1,5 @@
-"""infra/fleet.py (and its rendering, infra/fleet_report.py) over jobs logged by
-infra/tracking.py to a real SQLite MLflow store.
+"""infra/whatif/fleet.py (and its rendering, infra/whatif/fleet_report.py) over jobs logged by
+infra/tracking/mlflow_runs.py to a real SQLite MLflow store.
 
 Six synthetic jobs an hour apart (10-minute train loops, some with a failure); job 4 takes twice
 as long to start. Only that Time to Start regression may be flagged.
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from infra import tracking
-from infra.ett import report_for_job
-from infra.fleet import FleetJob, Thresholds, find_regressions, fleet_summary
-from infra.fleet_report import PLOTS, format_fleet, write_files
+from infra.accounting.ett import report_for_job
+from infra.tracking import mlflow_runs
+from infra.whatif.fleet import FleetJob, Thresholds, find_regressions, fleet_summary
+from infra.whatif.fleet_report import PLOTS, format_fleet, write_files
 from tests.factories import tiny_config
 from tests.infra.test_tracking import T0, sqlite_store, write_job
 
@@ -35,7 +35,7 @@ def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     reports = {}
     with pytest.MonkeyPatch.context() as mp:
         # A per-job chart costs seconds of matplotlib here; test_tracking checks the real one.
-        mp.setattr(tracking, "plot_breakdown", lambda report, path: Path(path).write_bytes(PNG))
+        mp.setattr(mlflow_runs, "plot_breakdown", lambda report, path: Path(path).write_bytes(PNG))
         for i, (startup, fail, restart) in enumerate(
             zip(STARTUP, FAIL_AFTER, RESTART, strict=True)
         ):
@@ -50,14 +50,14 @@ def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
                 fail_after=fail,
                 restart_s=restart,
             )
-            run_id = tracking.start_job_run(config)
+            run_id = mlflow_runs.start_job_run(config)
             if fail:  # nested attempt runs must not count as jobs
-                attempt = tracking.LedgerAttempt(0, "sigkill", -9, T0, T0 + 100, fail)
-                tracking.log_attempt(run_id, attempt)
+                attempt = mlflow_runs.LedgerAttempt(0, "sigkill", -9, T0, T0 + 100, fail)
+                mlflow_runs.log_attempt(run_id, attempt)
             reports[config.job_id] = report_for_job(config.job_url)
-            tracking.log_job_report(run_id, reports[config.job_id], config.job_url)
+            mlflow_runs.log_job_report(run_id, reports[config.job_id], config.job_url)
     # Started, not reported yet: listed as in progress, not as a job.
-    tracking.start_job_run(tiny_config(root, job_id="retrain-6", tracking=tracking_cfg))
+    mlflow_runs.start_job_run(tiny_config(root, job_id="retrain-6", tracking=tracking_cfg))
     summary = fleet_summary(store, "fleet")
     return {"store": store, "root": root, "reports": reports, "summary": summary}
 

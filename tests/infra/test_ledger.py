@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from infra import ledger, storage
-from infra.ledger import (
+from infra import storage
+from infra.accounting import ledger
+from infra.accounting.ledger import (
     Ledger,
     ledger_url,
     next_attempt,
@@ -170,7 +171,7 @@ def test_torn_and_garbage_lines_are_skipped(tmp_path, caplog) -> None:
     assert [e.step for e in read_events(url)] == [1, 2, 3]
     text = '{"kind":"mark"}\nnot json\n\n{"v":1,"kind":"mark","name":"job_end","t":5}\n'
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="infra.ledger"):
+    with caplog.at_level(logging.WARNING, logger="infra.accounting.ledger"):
         (event,) = parse_lines(text, source="hand.jsonl")
     assert event.name == "job_end" and event.start == 5.0
     # A line without the optional fields: attempt 0, rank 0, no step, no attrs.
@@ -324,7 +325,7 @@ def test_events_from_all_files_are_merged_in_time_order(tmp_path) -> None:
 CHILD = textwrap.dedent(
     """
     import os, signal, sys
-    from infra.ledger import Ledger
+    from infra.accounting.ledger import Ledger
     url, n = sys.argv[1], int(sys.argv[2])
     led = Ledger(url)
     for step in range(1, n + 1):
@@ -354,9 +355,9 @@ def test_events_survive_sigkill(tmp_path) -> None:
 KILLED_WRITER = textwrap.dedent(
     """
     import os, signal, sys, time
-    import infra.ledger
-    from infra.ledger import Ledger
-    infra.ledger.FIRST_SYNC_S = 3600.0  # only the explicit sync below uploads
+    import infra.accounting.ledger
+    from infra.accounting.ledger import Ledger
+    infra.accounting.ledger.FIRST_SYNC_S = 3600.0  # only the explicit sync below uploads
     t0 = time.time() - 10.0  # steps that ended before now, on this process's clock
     for job in sys.argv[1:]:
         led = Ledger(job, sync_every_s=3600.0)
@@ -412,7 +413,7 @@ def test_a_killed_writers_spool_is_recovered_by_the_next_process(s3_server: str)
 EXITS_WITHOUT_CLOSING = textwrap.dedent(
     """
     import sys, time
-    from infra.ledger import Ledger
+    from infra.accounting.ledger import Ledger
     t0 = time.time() - 10.0  # steps that ended before now, on this process's clock
     for job in sys.argv[1:]:
         led = Ledger(job, sync_every_s=3600.0)

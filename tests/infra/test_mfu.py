@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from infra import mfu
-from infra.ett import report_for_job
-from infra.ett_report import format_table, to_markdown
-from infra.ledger import Ledger
-from infra.mfu import gpu_peak, mfu_for_job, mfu_metrics
+from infra.accounting import mfu
+from infra.accounting.ett import report_for_job
+from infra.accounting.ledger import Ledger
+from infra.accounting.mfu import gpu_peak, mfu_for_job, mfu_metrics
+from infra.accounting.report import format_table, to_markdown
 from tests.factories import ROOT, run_trainer, tiny_config, write_dataset
 
 T0 = 1_700_000_000.0

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from infra.advisor import DAY_S
-from infra.ett import report_for_job
-from infra.job_model import FailureEvent, JobModel
-from infra.projection import gpu_grid, project, scaled
-from infra.scaling import LLAMA3_FAILURES_PER_GPU_DAY, TABLE_GPUS, ScalingLaws
-from infra.simulate import observed_failures, replay, validate
+from infra.accounting.ett import report_for_job
+from infra.whatif.advisor import DAY_S
+from infra.whatif.projection import gpu_grid, project, scaled
+from infra.whatif.scaling import LLAMA3_FAILURES_PER_GPU_DAY, TABLE_GPUS, ScalingLaws
+from infra.whatif.simulate import observed_failures, replay, validate
+from infra.whatif.simulated_job import FailureEvent, JobModel
 from tests.infra.modeled_job import Plan, write_modeled_job
 
 ROOT = Path(__file__).resolve().parents[2]

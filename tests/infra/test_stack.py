@@ -1,4 +1,5 @@
-"""infra/stack.py and infra/servers.py: the local stack of real servers (moto S3, MLflow, Prefect)
+"""infra/devstack/stack.py and infra/devstack/servers.py: the local stack of real servers (moto S3,
+MLflow, Prefect)
 starts, serves and stops; plus its fast failure paths."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from infra import servers, stack
+from infra.devstack import servers, stack
 
 
 def _get(url: str) -> tuple[int, bytes]:

@@ -1,5 +1,6 @@
-"""infra/tracking.py against a real SQLite MLflow store, with ETT reports from hand-made ledgers
-(the outage path against a real ``mlflow server`` is in tests/reliability/test_mlflow_outage.py).
+"""infra/tracking/mlflow_runs.py against a real SQLite MLflow store, with ETT reports from hand-made
+ledgers (the outage path against a real ``mlflow server`` is in
+tests/reliability/test_mlflow_outage.py).
 
 One store per module; each test uses its own job ids. Creating MLflow's tables runs all of its
 schema migrations (5-20 s here), so ``sqlite_store`` copies an empty, migrated database made once
@@ -21,11 +22,13 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from infra import mlflow_client, run_metadata, storage, tracking
-from infra.ett import report_for_job
-from infra.ett_report import format_table
-from infra.ledger import Ledger, ledger_url, read_events
+from infra import storage
+from infra.accounting.ett import report_for_job
+from infra.accounting.ledger import Ledger, ledger_url, read_events
+from infra.accounting.report import format_table
 from infra.settings import JobConfig
+from infra.tracking import client as mlflow_client
+from infra.tracking import mlflow_runs, run_metadata
 from tests.factories import tiny_config
 
 SECRET = "FAKE-SECRET-do-not-log-7f3a9c"
@@ -147,10 +150,10 @@ def test_job_run_holds_report_curves_attempts_and_artifacts(
     report = report_for_job(config.job_url)
     assert report.num_failures == 1 and report.observed_unsaved_s == 2.0
 
-    run_id = tracking.start_job_run(config)
-    attempts = tracking.attempts_from_ledger(report, events)
-    children = [tracking.log_attempt(run_id, a, tracking_uri=store) for a in attempts]
-    logged = tracking.log_job_report(
+    run_id = mlflow_runs.start_job_run(config)
+    attempts = mlflow_runs.attempts_from_ledger(report, events)
+    children = [mlflow_runs.log_attempt(run_id, a, tracking_uri=store) for a in attempts]
+    logged = mlflow_runs.log_job_report(
         run_id,
         report,
         config.job_url,
@@ -247,30 +250,30 @@ def test_a_job_run_again_keeps_its_one_run(
 ) -> None:
     config = _config(tmp_path, store, "job-rerun", monkeypatch)
     client = MlflowClient(tracking_uri=store)
-    first = tracking.start_job_run(config)
-    tracking._run_uris.clear()  # as if the orchestrator restarted in a new process
-    assert tracking.start_job_run(config) == first
+    first = mlflow_runs.start_job_run(config)
+    mlflow_runs._run_uris.clear()  # as if the orchestrator restarted in a new process
+    assert mlflow_runs.start_job_run(config) == first
     # An orchestrator that crashed may have left the run FAILED: the resumed job takes it back.
     client.set_terminated(first, status="FAILED")
     changed = tiny_config(
         tmp_path, job_id="job-rerun", tracking={"mlflow_uri": store}, train={"steps": 99}
     )
-    assert tracking.start_job_run(changed) == first
+    assert mlflow_runs.start_job_run(changed) == first
     run = client.get_run(first)
     assert run.info.status == "RUNNING" and run.data.tags["ett.resumes"] == "2"
     assert run.data.params["train.steps"] == "20"  # params are immutable: the first ones stay
     assert run.data.tags["ett.params_changed_on_resume"] == "train.steps"
     # Logging one attempt twice updates it instead of adding a second nested run.
-    a = tracking.LedgerAttempt(0, "sigkill", -9, T0, T0 + 5, None)
-    b = tracking.LedgerAttempt(0, "sigkill", -9, T0, T0 + 6, None)
-    assert tracking.log_attempt(first, a, tracking_uri=store) == tracking.log_attempt(
+    a = mlflow_runs.LedgerAttempt(0, "sigkill", -9, T0, T0 + 5, None)
+    b = mlflow_runs.LedgerAttempt(0, "sigkill", -9, T0, T0 + 6, None)
+    assert mlflow_runs.log_attempt(first, a, tracking_uri=store) == mlflow_runs.log_attempt(
         first, b, tracking_uri=store
     )
     # A job that finished and is run again continues in its run: one run per job.
     write_job(config.job_url)
-    tracking.log_job(config, first, succeeded=True)
+    mlflow_runs.log_job(config, first, succeeded=True)
     assert client.get_run(first).info.status == "FINISHED"
-    again = tracking.start_job_run(config)
+    again = mlflow_runs.start_job_run(config)
     assert again == first and client.get_run(first).info.status == "RUNNING"
     runs = client.search_runs([run.info.experiment_id], "tags.`ett.job_id` = 'job-rerun'")
     assert [r.info.run_id for r in runs] == [first]
@@ -284,7 +287,7 @@ def test_a_job_is_logged_whole_from_its_ledger_later(
     request holds); logging it again adds nothing."""
     config = _config(tmp_path, store, "job-late", monkeypatch)
     write_job(config.job_url, steps=1500, ckpt_every=100, fail_after=150, eval_every=500)
-    run_id, scalars = tracking.log_job(config)
+    run_id, scalars = mlflow_runs.log_job(config)
 
     client = MlflowClient(tracking_uri=store)
     run = client.get_run(run_id)
@@ -296,7 +299,7 @@ def test_a_job_is_logged_whole_from_its_ledger_later(
     got = sorted((c.data.tags["ett.attempt"], c.data.tags["ett.outcome"]) for c in children)
     assert got == [("0", "sigkill"), ("1", "success")]
 
-    assert tracking.log_job(config)[0] == run_id
+    assert mlflow_runs.log_job(config)[0] == run_id
     assert len(client.get_metric_history(run_id, "trainer.loss")) == 1500
     assert len(client.search_runs([run.info.experiment_id], "tags.`ett.job_id` = 'job-late'")) == 1
     assert (
@@ -349,7 +352,7 @@ def test_a_dead_tracking_server_is_given_up_on_after_two_retries(
     try:
         config = tiny_config(tmp_path, job_id="dead", tracking={"mlflow_uri": server.url})
         with pytest.raises(MlflowException):
-            tracking.start_job_run(config)
+            mlflow_runs.start_job_run(config)
     finally:
         server.close()
     # MLflow's own default would try 8 times over ~4 minutes; bounded: 1 + 2 retries.
@@ -367,8 +370,8 @@ def test_fleet_files_go_to_one_fleet_run(tmp_path: Path, store: str) -> None:
     md = tmp_path / "fleet.md"
     md.write_text("# fleet\n")
     files = {"ett_trend": str(png), "md": str(md)}
-    first = tracking.log_fleet_report(store, "fleet-runs", files, {"fleet.fleet_ett_pct": 71.5})
-    again = tracking.log_fleet_report(store, "fleet-runs", files, {"fleet.fleet_ett_pct": 72.0})
+    first = mlflow_runs.log_fleet_report(store, "fleet-runs", files, {"fleet.fleet_ett_pct": 71.5})
+    again = mlflow_runs.log_fleet_report(store, "fleet-runs", files, {"fleet.fleet_ett_pct": 72.0})
     assert first == again
     client = MlflowClient(tracking_uri=store)
     run = client.get_run(first)
@@ -394,4 +397,5 @@ def test_flatten_params_and_redaction(tmp_path: Path, monkeypatch: pytest.Monkey
     assert run_metadata.job_params(config)["tracking.mlflow_uri"] == "http://mlflow:5000"
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     with pytest.raises(ValueError, match="tracking_uri"):
-        tracking.log_attempt("unknown-run", tracking.LedgerAttempt(0, "success", 0, T0, T0, None))
+        attempt = mlflow_runs.LedgerAttempt(0, "success", 0, T0, T0, None)
+        mlflow_runs.log_attempt("unknown-run", attempt)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from infra import storage
-from infra.ledger import read_events
+from infra.accounting.ledger import read_events
 from infra.settings import JobConfig
 from tests.factories import run_trainer, tiny_config, write_dataset
 

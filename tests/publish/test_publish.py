@@ -35,7 +35,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from infra import storage
-from infra.ledger import PUBLISH_SPANS, read_events
+from infra.accounting.ledger import PUBLISH_SPANS, read_events
 from publish import registry, serving
 from publish.load import resolve
 from publish.pipeline import publish
@@ -45,7 +45,7 @@ from tests.publish.conftest import TrainedJob, _copy_tree
 from trainer.checkpoint.manifest import CommittedCheckpoint, read_manifest
 from trainer.checkpoint.restore import load_into
 from trainer.data.sequential import holdout_batches
-from trainer.evaluation import predict
+from trainer.holdout_metrics import predict
 from trainer.model import RankingModel
 
 pytestmark = pytest.mark.slow

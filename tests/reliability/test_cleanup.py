@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 from infra import storage
-from infra.checkpoints import MANIFEST, Manifest, committed_checkpoints
+from infra.accounting.ledger import Span, read_events
+from infra.checkpoint_manifest import MANIFEST, Manifest, committed_checkpoints
 from infra.exit_codes import ExitCode
-from infra.ledger import Span, read_events
 from tests.reliability.ett_job import EttTrain
 from tests.reliability.jobs import job_config, s3_root
 

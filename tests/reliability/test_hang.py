@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from infra.accounting.ledger import Mark, read_events
 from infra.exit_codes import Outcome
-from infra.ledger import Mark, read_events
 from infra.settings import dump_config
 from tasks.attempts import JobRunner, LaunchSpec, RetryPolicy, Timeouts
 from tests import procs

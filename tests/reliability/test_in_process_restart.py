@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from infra.ett import report_for_job
+from infra.accounting.ett import report_for_job
+from infra.accounting.ledger import Mark, read_events
 from infra.exit_codes import ExitCode
-from infra.ledger import Mark, read_events
 from tests.reliability.jobs import job_config, run_to_end
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from infra import storage
+from infra.accounting.ledger import read_events
 from infra.exit_codes import ExitCode, Outcome, outcome_of
-from infra.ledger import read_events
 from tests.factories import ROOT
 from tests.reliability.jobs import Trainer, job_config, run_to_end
 

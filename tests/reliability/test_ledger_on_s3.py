@@ -27,7 +27,9 @@ from typing import Any
 import pytest
 
 from infra import storage
-from infra.checkpoints import (
+from infra.accounting.ett import EttReport, report_for_job
+from infra.accounting.ledger import read_events, read_files, recover_orphaned_spools
+from infra.checkpoint_manifest import (
     MANIFEST,
     Manifest,
     checkpoints_url,
@@ -35,9 +37,7 @@ from infra.checkpoints import (
     step_dir_name,
 )
 from infra.control import Progress
-from infra.ett import EttReport, report_for_job
 from infra.exit_codes import ExitCode, Outcome
-from infra.ledger import read_events, read_files, recover_orphaned_spools
 from infra.settings import JobConfig, dump_config
 from tasks.attempts import JobRunner, LaunchSpec, RetryPolicy
 from tasks.events import Anchor, find_anchor

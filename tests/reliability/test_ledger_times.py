@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from infra import storage
-from infra.ett import report_for_job
+from infra.accounting.ett import report_for_job
 from infra.settings import JobConfig
 from tests.flows.test_cli import ett, write
 from tests.reliability.jobs import job_config

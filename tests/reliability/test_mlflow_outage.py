@@ -29,7 +29,7 @@ import pytest
 from mlflow import MlflowClient
 
 import flows.train_flow as train_module
-from infra import servers
+from infra.devstack import servers
 from infra.settings import JobConfig, dump_config
 from tasks.attempts import LaunchSpec
 from tests.factories import ROOT, tiny_config, write_dataset

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from infra import storage
+from infra.accounting.ledger import ledger_url
 from infra.exit_codes import ExitCode
-from infra.ledger import ledger_url
 from infra.preflight import PreflightError
 from infra.settings import JobConfig, dump_config
 from tasks.train import prepare_job

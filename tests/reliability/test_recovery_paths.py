@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 
 from infra import storage
-from infra.ett import report_for_job
+from infra.accounting.ett import report_for_job
+from infra.accounting.ledger import Mark, Span, read_events
 from infra.exit_codes import ExitCode, Outcome
-from infra.ledger import Mark, Span, read_events
 from infra.settings import JobConfig, dump_config
 from tasks.attempts import (
     AttemptProcess,

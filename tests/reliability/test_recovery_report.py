@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from infra import tracking
-from infra.checkpoints import committed_checkpoints
-from infra.ett import report_for_job
-from infra.ett_report import to_markdown
-from infra.mlflow_client import client
+from infra.accounting.ett import report_for_job
+from infra.accounting.report import to_markdown
+from infra.checkpoint_manifest import committed_checkpoints
+from infra.tracking import mlflow_runs
+from infra.tracking.client import client
 from tests.flows.test_cli import ett
 from tests.reliability.ett_job import EttTrain
 from tests.reliability.jobs import job_config
@@ -82,7 +82,7 @@ def test_a_fallback_past_a_corrupt_checkpoint_is_named_everywhere_the_report_goe
     assert logged.returncode == 0, logged.stderr
     ml = client(config.tracking.mlflow_uri)
     experiment = ml.get_experiment_by_name(config.tracking.experiment)
-    run = tracking.find_job_run(ml, experiment.experiment_id, config.job_id)
+    run = mlflow_runs.find_job_run(ml, experiment.experiment_id, config.job_id)
     assert run is not None and line in run.data.tags["ett.recovery"]
 
 

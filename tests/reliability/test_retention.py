@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from infra import storage
+from infra.accounting.ledger import read_events
 from infra.exit_codes import ExitCode
-from infra.ledger import read_events
 from tests.reliability.jobs import job_config, run_to_end, step_folder
 from trainer.checkpoint.manifest import checkpoints_url, committed_checkpoints, verify_files
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from infra.ett import report_for_job
-from infra.ett_report import format_table
-from infra.ledger import Mark, read_events
+from infra.accounting.ett import report_for_job
+from infra.accounting.ledger import Mark, read_events
+from infra.accounting.report import format_table
 from tests.reliability.ett_job import EttTrain
 from tests.reliability.jobs import job_config
 

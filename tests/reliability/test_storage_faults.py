@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from infra import storage
+from infra.accounting.ledger import read_events
 from infra.exit_codes import ExitCode
-from infra.ledger import read_events
 from infra.settings import JobConfig
 from tests.reliability.cutting_proxy import RequestCutter
 from tests.reliability.jobs import Trainer, job_config, run_to_end, s3_root

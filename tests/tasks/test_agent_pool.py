@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from infra import processes
-from infra.agent_pool import ENV_POOL, code_fingerprint, import_env_mismatch
-from infra.ledger import read_events
+from infra.accounting.ledger import read_events
+from infra.agent_protocol import ENV_POOL, code_fingerprint, import_env_mismatch
 from infra.settings import dump_config
 from tasks.agent_pool import LAUNCHER, claim
 from tests.factories import ROOT, PoolProcess, tiny_config, write_dataset

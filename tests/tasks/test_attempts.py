@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from infra import processes
+from infra.accounting.ett import report_for_job
+from infra.accounting.ledger import Mark, Span, next_attempt, read_events
 from infra.control import Phase
-from infra.ett import report_for_job
 from infra.exit_codes import ExitCode, Outcome, name_of, outcome_of
-from infra.ledger import Mark, Span, next_attempt, read_events
 from infra.settings import dump_config
 from tasks.attempts import (
     AttemptProcess,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.checkpoints import committed_checkpoints
+from infra.checkpoint_manifest import committed_checkpoints
 from infra.control import Phase, Progress
 from infra.exit_codes import Outcome
 from infra.settings import JobConfig, dump_config

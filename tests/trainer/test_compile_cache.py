@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from infra import storage
+from infra.accounting.ledger import read_events
 from infra.exit_codes import ExitCode
-from infra.ledger import read_events
 from tests.factories import ROOT, run_trainer, tiny_config, write_dataset
 from trainer import compile_cache, compiled
 from trainer.compile_cache import MANIFEST, CompileCache, cache_key, key_parts

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from infra.ledger import read_events
+from infra.accounting.ledger import read_events
 from tests.factories import run_trainer, tiny_config, write_dataset
 
 

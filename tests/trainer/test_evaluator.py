@@ -1,4 +1,5 @@
-"""The async evaluator (``python -m trainer.evaluator``) against real trainer checkpoints.
+"""The async evaluator (``python -m trainer.checkpoint_evaluator``) against real trainer
+checkpoints.
 
 Real trainer runs under torchrun write the checkpoints; the evaluator runs as its own
 process, started the way the orchestrator starts it (stdin a pipe it keeps open), and is
@@ -23,14 +24,14 @@ from typing import Any
 import pytest
 
 from infra import storage
+from infra.accounting.ledger import Span, read_events
 from infra.exit_codes import ExitCode
-from infra.ledger import Span, read_events
 from infra.processes import pid_alive
 from infra.settings import JobConfig, dump_config
 from tests.factories import ROOT, run_trainer, tiny_config, write_dataset
 from trainer.checkpoint.manifest import MANIFEST, committed_checkpoints
+from trainer.checkpoint_evaluator import CheckpointEvaluator
 from trainer.data.sequential import holdout_batches
-from trainer.evaluator import CheckpointEvaluator
 
 STEPS, EVAL_EVERY, CKPT_EVERY = 30, 10, 5  # checkpoints at 5..30, evaluations at 10, 20, 30
 EVAL_ROWS = 512
@@ -60,14 +61,21 @@ def make_config(tmp_path: Path, job_id: str, **sections: Any) -> tuple[JobConfig
 
 
 class Evaluator:
-    """One ``python -m trainer.evaluator`` process, its log in a file."""
+    """One ``python -m trainer.checkpoint_evaluator`` process, its log in a file."""
 
     def __init__(self, config_path: Path, log_path: Path, *args: str) -> None:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trainer.evaluator", "--config", str(config_path), *args],
+            [
+                sys.executable,
+                "-m",
+                "trainer.checkpoint_evaluator",
+                "--config",
+                str(config_path),
+                *args,
+            ],
             stdin=subprocess.PIPE,
             stdout=self._log,
             stderr=subprocess.STDOUT,
@@ -264,7 +272,7 @@ def test_checkpoint_deleted_after_listing_is_skipped_and_the_next_one_evaluated(
     gone = checkpoint_dir(config, 20)
     (gone / MANIFEST).unlink()
     shutil.rmtree(gone)
-    with caplog.at_level("WARNING", logger="trainer.evaluator"):
+    with caplog.at_level("WARNING", logger="trainer.checkpoint_evaluator"):
         assert evaluator.evaluate(listed[20]) is None
     (line,) = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
     assert f"{listed[20].url} (step 20)" in line and "missing file" in line
@@ -304,7 +312,7 @@ def test_dies_with_the_process_that_started_it(tmp_path) -> None:
     parent_code = (
         "import subprocess, sys, time\n"
         f"log = open({str(log_path)!r}, 'wb')\n"
-        "p = subprocess.Popen([sys.executable, '-m', 'trainer.evaluator', '--config', "
+        "p = subprocess.Popen([sys.executable, '-m', 'trainer.checkpoint_evaluator', '--config', "
         f"{str(path)!r}], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)\n"
         "print(p.pid, flush=True)\n"
         "time.sleep(600)\n"
@@ -341,7 +349,7 @@ def test_bad_config_is_a_usage_error_in_one_line(tmp_path) -> None:
     path.write_text("train:\n  eval_every: -3\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
-        [sys.executable, "-m", "trainer.evaluator", "--config", str(path)],
+        [sys.executable, "-m", "trainer.checkpoint_evaluator", "--config", str(path)],
         stdin=subprocess.PIPE,
         capture_output=True,
         text=True,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from infra.accounting.ledger import Mark, read_events
 from infra.exit_codes import Outcome
-from infra.ledger import Mark, read_events
 from infra.settings import JobConfig, dump_config
 from tasks.attempts import JobOutcome, JobRunner, LaunchSpec, RetryPolicy, Timeouts
 from tests.factories import assert_bit_identical, resume_marks, tiny_config, write_dataset

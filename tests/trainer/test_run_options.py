@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from infra.accounting.ett import report_for_job
+from infra.accounting.ledger import INIT_SPANS, Mark, Span, read_events
 from infra.control import Phase, Progress
-from infra.ett import report_for_job
 from infra.exit_codes import Outcome
-from infra.ledger import INIT_SPANS, Mark, Span, read_events
 from infra.settings import JobConfig, dump_config
 from tasks.attempts import JobRunner, LaunchSpec, RetryPolicy, Timeouts
 from tests.factories import (

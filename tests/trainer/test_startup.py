@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from infra.ett import compute_report
-from infra.ledger import Ledger, Span, read_events
+from infra.accounting.ett import compute_report
+from infra.accounting.ledger import Ledger, Span, read_events
 from tests.factories import tiny_config
 from trainer import compiled
 from trainer.data.batch import Batch

@@ -56,8 +56,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import StagingOptions
 
 from infra import processes, storage
+from infra.accounting.ledger import Ledger
 from infra.control import scratch_dir
-from infra.ledger import Ledger
 from infra.settings import CheckpointMode, EvalMode, JobConfig, config_yaml
 from trainer.checkpoint.manifest import (
     MANIFEST,

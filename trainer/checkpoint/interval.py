@@ -14,7 +14,7 @@ really costs this job, measured as it trains:
   had and since when, those recovered in process included; an in-process restart also
   counts at once in its own attempt), Young's optimum from the measured cost and the
   observed MTBF:
-  ``interval = sqrt(2 x cost x MTBF)`` (infra/advisor.py).
+  ``interval = sqrt(2 x cost x MTBF)`` (infra/whatif/advisor.py).
 - **Never shorter than the upload**: at most one checkpoint is in flight, so an interval
   below the commit time would only make the next save wait.
 
@@ -33,9 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from infra.advisor import young_interval
-from infra.ledger import Ledger, Mark
+from infra.accounting.ledger import Ledger, Mark
 from infra.settings import CheckpointConfig, CheckpointMode
+from infra.whatif.advisor import young_interval
 
 FIRST_AUTO_CHECKPOINT_S = 1.0  # training time before the first measured checkpoint
 _WINDOW = 64  # recent measurements the medians are taken over

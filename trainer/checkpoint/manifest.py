@@ -2,7 +2,7 @@
 and a corrupt checkpoint moved out of the committed ones.
 
 The layout, the manifest format and the list of committed checkpoints live in
-infra/checkpoints.py (the orchestrator reads them too); they are re-exported here.
+infra/checkpoint_manifest.py (the orchestrator reads them too); they are re-exported here.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 import uuid
 
 from infra import storage
-from infra.checkpoints import (
+from infra.checkpoint_manifest import (
     FORMAT_VERSION,
     MANIFEST,
     QUARANTINE,

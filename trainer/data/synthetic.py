@@ -13,7 +13,7 @@ The labels are drawn from a planted click model (trainer/data/click_model.py); t
 how well its true logits rank the holdout, the ceiling for any model trained on the data.
 
 Daily windows (``generate_daily``, ``ett generate --daily N``) are data sets of the same
-planted world, one per day under ``<root>/dt=YYYY-MM-DD`` (infra/windows.py): the ground
+planted world, one per day under ``<root>/dt=YYYY-MM-DD`` (infra/daily_windows.py): the ground
 truth comes from the seed alone, the rows of each day from the seed and the date, so a model
 warm-started from yesterday's window keeps learning the same click model.
 """
@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from infra import storage, windows
+from infra import daily_windows, storage
 from infra.settings import DataConfig
 from trainer.data.click_model import Planted, plant, sample, sigmoid
 
@@ -253,7 +253,7 @@ def generate_daily(
     out: list[tuple[str, bool]] = []
     for back in range(days - 1, -1, -1):
         day = last - timedelta(days=back)
-        url = storage.join(root, windows.partition_name(day))
+        url = storage.join(root, daily_windows.partition_name(day))
         if storage.exists(storage.join(url, "_meta.json")):
             log.info("synthetic: %s is complete already: kept", url)
             for _ in range(files_to_write(data)):

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch.distributed as dist
 
-from infra import servers
+from infra.devstack import servers
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from torch.distributed._shard.sharded_tensor import (
 )
 
 from infra import storage
-from infra.ledger import Ledger, read_events
+from infra.accounting.ledger import Ledger, read_events
 from infra.settings import JobConfig, load_config
 from tests.factories import HeldState
 from tests.reliability.cutting_proxy import RequestCutter

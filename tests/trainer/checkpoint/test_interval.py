@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.ledger import Ledger, Mark, read_events
+from infra.accounting.ledger import Ledger, Mark, read_events
 from infra.settings import load_config
 from trainer.checkpoint.interval import FailureHistory, IntervalPolicy, IntervalReason
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from infra import storage
-from infra.ledger import Ledger
+from infra.accounting.ledger import Ledger
 from infra.settings import JobConfig, load_config
 from tests.factories import HeldState
 from trainer.checkpoint.checkpointer import Checkpointer

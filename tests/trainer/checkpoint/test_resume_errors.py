@@ -30,8 +30,8 @@ from typing import Any
 import pytest
 
 from infra import storage
+from infra.accounting.ledger import read_events
 from infra.exit_codes import ExitCode
-from infra.ledger import read_events
 from infra.settings import JobConfig, dump_config
 from tests.factories import ROOT, run_trainer, tiny_config, write_dataset
 from trainer.checkpoint.manifest import committed_checkpoints, step_dir_name, verify_files

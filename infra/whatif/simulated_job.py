@@ -2,8 +2,8 @@
 
 A ``JobModel`` is calibrated from a measured job (``from_report``): step time, blocking per
 checkpoint, upload, startup, restart cost per failure kind, shutdown, and overhead per trained
-second. A ``FailureEvent`` places one failure in a replay (infra/simulate.py), by wall time or
-by where in the job's progress it struck.
+second. A ``FailureEvent`` places one failure in a replay (infra/whatif/simulate.py), by wall time
+or by where in the job's progress it struck.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from infra.ett import EttReport
+from infra.accounting.ett import EttReport
 from infra.exit_codes import Outcome
 
 

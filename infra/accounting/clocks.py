@@ -112,7 +112,7 @@ def label(domain: str) -> str:
 
 
 class Timed(Protocol):
-    """What the checks need of a ledger event (infra/ledger.py's Event)."""
+    """What the checks need of a ledger event (infra/accounting/ledger.py's Event)."""
 
     @property
     def name(self) -> str: ...

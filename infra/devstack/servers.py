@@ -1,9 +1,9 @@
 """One local server (moto S3, MLflow, Prefect) as a background process: start, health, stop.
 
-Each server runs in its own process group bound to 127.0.0.1, logging to ``<state>/<name>.log``,
-so stopping it takes every process it forked, and a recorded pid that now belongs to an
-unrelated process is never signalled. infra/stack.py runs the three together as ``ett stack``;
-the test-suite starts the same servers through ``tests/servers.py``.
+Each server runs in its own process group bound to 127.0.0.1, logging to ``<state>/<name>.log``, so
+stopping it takes every process it forked, and a recorded pid that now belongs to an unrelated
+process is never signalled. infra/devstack/stack.py runs the three together as ``ett stack``; the
+test-suite starts the same servers through ``tests/servers.py``.
 
 - S3: ``python -m moto.server``; an in-memory object store with a bucket (default ``ett``).
 - MLflow: ``mlflow server`` with a SQLite backend in the state dir and artifacts proxied to

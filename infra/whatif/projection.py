@@ -2,10 +2,10 @@
 
 The measured job (one small run, its ledger) gives the costs per event: step time, blocking
 per checkpoint, upload time, startup, restart per failure, shutdown, eval/other overhead
-(``JobModel.from_report``). ``ScalingLaws`` (infra/scaling.py) says how each changes with the
+(``JobModel.from_report``). ``ScalingLaws`` (infra/whatif/scaling.py) says how each changes with the
 number of GPUs N. At each N the checkpoint interval is the advisor's (Young's, raised to the
 upload time) for that N's MTBF, and the ETT% is the mean of seeded Monte Carlo replays of the
-whole job under exponential failures (``infra/simulate.py``): the same replay that
+whole job under exponential failures (``infra/whatif/simulate.py``): the same replay that
 ``validate`` checks against the measured run.
 """
 
@@ -16,10 +16,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from infra.advisor import DAY_S, Advice, optimal_interval
-from infra.job_model import JobModel
-from infra.scaling import MAX_GPUS, TABLE_GPUS, ScalingLaws
-from infra.simulate import MonteCarloResult, monte_carlo
+from infra.whatif.advisor import DAY_S, Advice, optimal_interval
+from infra.whatif.scaling import MAX_GPUS, TABLE_GPUS, ScalingLaws
+from infra.whatif.simulate import MonteCarloResult, monte_carlo
+from infra.whatif.simulated_job import JobModel
 
 
 def scaled(model: JobModel, laws: ScalingLaws, gpus: int, work_s: float) -> tuple[JobModel, Advice]:

@@ -1,17 +1,16 @@
 """What-if simulator: replay a job under another checkpoint interval or blocking time.
 
-The model (all times in seconds; infra/job_model.py). The job needs ``work_s`` of training
-progress. Every ``interval_s`` of progress it checkpoints: training stops for ``blocking_s``
-(sync: the whole save; async: staging only), then the upload runs for ``upload_s`` in the
-background and the checkpoint is committed when it ends. At most one upload is in flight, so
-when the interval is shorter than the upload the next checkpoint first waits for the previous
-one (counted as blocking). Checkpoints fall at multiples of ``interval_s`` of the job's
-progress (every N steps), also after a preemption resumed between two of them. Eval and gaps
-between steps cost ``loop_overhead`` wall seconds per trained second (infra/checkpoint_cycles.py
-has the closed forms of these cycles).
-A failure loses the progress since the last *committed* checkpoint, except a preemption,
-which saves at the step boundary before it exits and loses nothing; the job then spends its
-restart cost (detection, scheduling, init, restore; per failure kind when measured) before
+The model (all times in seconds; infra/whatif/simulated_job.py). The job needs ``work_s`` of
+training progress. Every ``interval_s`` of progress it checkpoints: training stops for
+``blocking_s`` (sync: the whole save; async: staging only), then the upload runs for ``upload_s`` in
+the background and the checkpoint is committed when it ends. At most one upload is in flight, so
+when the interval is shorter than the upload the next checkpoint first waits for the previous one
+(counted as blocking). Checkpoints fall at multiples of ``interval_s`` of the job's progress (every
+N steps), also after a preemption resumed between two of them. Eval and gaps between steps cost
+``loop_overhead`` wall seconds per trained second (infra/whatif/checkpoint_cycles.py has the closed
+forms of these cycles). A failure loses the progress since the last *committed* checkpoint, except a
+preemption, which saves at the step boundary before it exits and loses nothing; the job then spends
+its restart cost (detection, scheduling, init, restore; per failure kind when measured) before
 training again. The first attempt spends ``startup_s`` before its first step and the job
 ``shutdown_s`` after its last (the final anchor save included).
 
@@ -19,7 +18,7 @@ training again. The first attempt spends ``startup_s`` before its first step and
 own failures under changed parameters, and ``validate`` sets a replay of them, placed where
 in the job each struck, beside what was measured; ``monte_carlo`` draws exponential
 schedules for an MTBF. The long-run waste per interval is ``checkpoint_cycles.sweep``.
-Projecting a job to many GPUs is ``infra/projection.py``'s job.
+Projecting a job to many GPUs is ``infra/whatif/projection.py``'s job.
 """
 
 from __future__ import annotations
@@ -31,9 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from infra.checkpoint_cycles import segment, time_to_finish, time_to_reach
-from infra.ett import EttReport
-from infra.job_model import FailureEvent, JobModel
+from infra.accounting.ett import EttReport
+from infra.whatif.checkpoint_cycles import segment, time_to_finish, time_to_reach
+from infra.whatif.simulated_job import FailureEvent, JobModel
 
 # A replay that sees this many failures makes no progress (restarts outlast the MTBF).
 MAX_FAILURES = 200_000

@@ -16,8 +16,8 @@ from collections.abc import Iterable
 
 from mlflow.entities import Metric
 
-from infra.ett import EttReport
-from infra.ledger import Event, Span
+from infra.accounting.ett import EttReport
+from infra.accounting.ledger import Event, Span
 
 METRIC_PREFIX = "ett."
 # Ledger span attribute -> metric key, per span name: the training curves of a job's run.

@@ -1,7 +1,7 @@
 """Async evaluation (``train.eval: async``): a side process evaluates the job's committed
 checkpoints on CPU while training goes on, instead of the loop stopping every rank.
 
-    python -m trainer.evaluator --config FILE [--poll-s 0.5] [--once]
+    python -m trainer.checkpoint_evaluator --config FILE [--poll-s 0.5] [--once]
 
 What it evaluates: committed checkpoints whose step is a multiple of ``train.eval_every``,
 and the anchor (the final checkpoint), each at most once, in increasing step order, never
@@ -49,19 +49,19 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from infra import storage
+from infra.accounting.ledger import Ledger, Span, parse_lines
 from infra.config_sources import ConfigError
 from infra.exit_codes import ExitCode
-from infra.ledger import Ledger, Span, parse_lines
 from infra.settings import JobConfig, load_config
 from trainer.checkpoint.manifest import CheckpointError, CommittedCheckpoint, committed_checkpoints
 from trainer.checkpoint.restore import fetch
 from trainer.data.batch import Batch
 from trainer.data.decode import DataError
 from trainer.data.sequential import holdout_batches
-from trainer.evaluation import evaluate
+from trainer.holdout_metrics import evaluate
 from trainer.unsharded import cpu_model, load_model_weights
 
-log = logging.getLogger("trainer.evaluator")
+log = logging.getLogger("trainer.checkpoint_evaluator")
 
 ROLE = "evaluator"
 FINAL_METRICS = "final_metrics.json"
@@ -330,7 +330,7 @@ def _loop(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m trainer.evaluator",
+        prog="python -m trainer.checkpoint_evaluator",
         description="Evaluate a job's committed checkpoints on CPU beside its training.",
     )
     parser.add_argument(

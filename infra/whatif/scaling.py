@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from infra.advisor import DAY_S
+from infra.whatif.advisor import DAY_S
 
 # The anchor: Llama 3 405B pre-training, 54 days on 16,384 H100s, 419 unexpected interruptions.
 LLAMA3_INTERRUPTIONS = 419

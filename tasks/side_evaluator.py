@@ -1,8 +1,8 @@
 """The side evaluator of a job (``train.eval: async``): started, watched and ended here.
 
-``python -m trainer.evaluator`` evaluates the job's committed checkpoints at eval steps, and
-the anchor, on the CPU beside training, so the loop never waits for evaluation. Its stdin
-is its lifeline: closing it (or this process dying) stops it. No Prefect here.
+``python -m trainer.checkpoint_evaluator`` evaluates the job's committed checkpoints at eval steps,
+and the anchor, on the CPU beside training, so the loop never waits for evaluation. Its stdin is its
+lifeline: closing it (or this process dying) stops it. No Prefect here.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class SideEvaluator:
             return
         pythonpath = processes.repo_pythonpath(os.environ.get("PYTHONPATH"))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trainer.evaluator", "--config", self.config_path],
+            [sys.executable, "-m", "trainer.checkpoint_evaluator", "--config", self.config_path],
             env={**os.environ, "PYTHONPATH": pythonpath},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

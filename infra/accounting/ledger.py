@@ -1,8 +1,8 @@
 """The ETT ledger: an append-only log of timed events, one JSON-lines file per attempt and rank.
 
-Every second of a job is accounted for from these events (see infra/ett.py). Each event is
-one line, written with one ``os.write`` as it happens, so a process killed with SIGKILL loses
-at most the line being written; the reader skips a torn line.
+Every second of a job is accounted for from these events (see infra/accounting/ett.py). Each event
+is one line, written with one ``os.write`` as it happens, so a process killed with SIGKILL loses at
+most the line being written; the reader skips a torn line.
 
 On local disk the file is appended to in place. Object stores cannot append, so there the
 file is spooled on local disk (same single write per event) and a background thread, never
@@ -28,12 +28,12 @@ Event line format (version 2)::
     {"v": 2, "kind": "mark", "name": "failure", "t": 3.0, "mono": 83.0, "attempt": 0,
      "rank": 0, "step": 7, "attrs": {"cause": "sigkill"}}
 
-Times are Unix seconds (the process's wall clock, ``infra.clocks.wall``) so spans written by
-different processes of one job (the orchestrator and the ranks) share a clock; ``mono``
-holds the monotonic clock's reading of each, and the first line of every file (``clock``)
-names the process and its host. The reader checks the two clocks against each other and
-across processes before anything is computed from them (infra/clocks.py). Version 1 lines
-(no ``mono``, no ``clock`` line) are still read.
+Times are Unix seconds (the process's wall clock, ``infra.accounting.clocks.wall``) so spans written
+by different processes of one job (the orchestrator and the ranks) share a clock; ``mono`` holds the
+monotonic clock's reading of each, and the first line of every file (``clock``) names the process
+and its host. The reader checks the two clocks against each other and across processes before
+anything is computed from them (infra/accounting/clocks.py). Version 1 lines (no ``mono``, no
+``clock`` line) are still read.
 
 One module on purpose: the writer, the segmented upload, the spool recovery and the reader
 share one on-storage format (the names and offsets above), which is defined here once.
@@ -57,7 +57,8 @@ from enum import StrEnum
 from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
 
-from infra import clocks, processes, storage
+from infra import processes, storage
+from infra.accounting import clocks
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ class Span(StrEnum):
     TRAIN_STEP = "train_step"
     CHECKPOINT_BLOCKING = "checkpoint_blocking"
     EVAL = "eval"
-    # the side evaluator (trainer/evaluator.py), beside the job
+    # the side evaluator (trainer/checkpoint_evaluator.py), beside the job
     ASYNC_EVAL = "async_eval"
     # work moved off the training job, in its own files
     PUBLISH_LOAD = "publish_load"
@@ -112,7 +113,7 @@ class Mark(StrEnum):
     # Made by the reader, never written: this file's writer neither sealed it nor had its
     # spool recovered, so events after this instant (its last one) may be missing.
     LEDGER_INCOMPLETE = "ledger_incomplete"
-    # The first line of every file: its process and clock (infra/clocks.py). Consumed by
+    # The first line of every file: its process and clock (infra/accounting/clocks.py). Consumed by
     # the reader, never passed on as an event.
     CLOCK = "clock"
 
@@ -366,7 +367,7 @@ class Ledger:
     ``sync_every_s`` is how often the uploader thread stores new events.
 
     Every time is read from ``clock`` (the process's wall clock) and, with the default
-    clock, from the monotonic clock beside it (infra/clocks.py checks one against the
+    clock, from the monotonic clock beside it (infra/accounting/clocks.py checks one against the
     other). A test's own ``clock`` writes no monotonic readings. ``clock_attrs`` go into
     the file's first line (``clock``), beside the process's host and pid.
     """
@@ -666,7 +667,8 @@ def _process_clock(name: str, lines: list[Event]) -> clocks.ProcessClock | None:
 
 @dataclass(frozen=True)
 class LedgerRead:
-    """A job's events, checked and on one clock (infra/clocks.py), and what the check found."""
+    """A job's events, checked and on one clock (infra/accounting/clocks.py), and what the check
+    found."""
 
     events: list[Event]
     clock: clocks.ClockCheck
@@ -693,7 +695,7 @@ def _read_raw(
 
 def read_ledger(job_url: str) -> LedgerRead:
     """All events of a job, from every attempt, rank and role, sorted by start time, after
-    the clock checks of infra/clocks.py (each file's ``clock`` lines are consumed there).
+    the clock checks of infra/accounting/clocks.py (each file's ``clock`` lines are consumed there).
 
     A file that may miss its last events (``LedgerFile.incomplete``) adds the reader's
     ``ledger_incomplete`` mark at its last event, so the ETT calculator can tell time it
@@ -712,7 +714,7 @@ def read_ledger(job_url: str) -> LedgerRead:
 def domains_ahead(job_url: str, now: Callable[[], float] = clocks.wall) -> dict[str, float]:
     """Other hosts whose part of this job's ledger ends in this process's future, and how
     far their clocks run ahead at least: what an orchestrator resuming the job records in
-    its first ``clock`` line (infra/clocks.py, rule 4). This host's own earlier processes
+    its first ``clock`` line (infra/accounting/clocks.py, rule 4). This host's own earlier processes
     are aligned by its monotonic clock instead."""
     events, process_clocks, _ = _read_raw(job_url)
     as_measured = {name: replace(c, ahead={}) for name, c in process_clocks.items()}

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infra.advisor import DAY_S
-from infra.ett import EttReport, report_for_job
+from infra.accounting.ett import EttReport, report_for_job
 from infra.figures import pyplot, save_png
-from infra.job_model import JobModel
-from infra.projection import Projection, gpu_grid, project
-from infra.scaling import TABLE_GPUS, ScalingLaws
-from infra.simulate import Validation, validate
 from infra.tables import to_text
+from infra.whatif.advisor import DAY_S
+from infra.whatif.projection import Projection, gpu_grid, project
+from infra.whatif.scaling import TABLE_GPUS, ScalingLaws
+from infra.whatif.simulate import Validation, validate
+from infra.whatif.simulated_job import JobModel
 
 Table = tuple[str, list[str], list[list[str]]]  # (title, header, rows)
 COLORS = ("#d62728", "#2ca02c", "#1f77b4", "#9467bd", "#ff7f0e")
@@ -139,7 +139,7 @@ def projection_tables(p: Projection, only: tuple[int, ...] = TABLE_GPUS) -> list
         rows.append(row)
     days = p.work_s / DAY_S
     return [
-        ("Assumptions (ScalingLaws, infra/scaling.py)", ["#", "assumption"], _numbered(p)),
+        ("Assumptions (ScalingLaws, infra/whatif/scaling.py)", ["#", "assumption"], _numbered(p)),
         (
             f"Projection: ETT% at the advisor's interval, a {days:g}-day job, "
             f"mean of {p.runs} seeded runs per point",

@@ -1,10 +1,10 @@
 """The local stack of real servers: S3 (moto), an MLflow tracking server, a Prefect server.
 
-``ett stack up`` (or ``python -m infra.stack up``) starts them (infra/servers.py) as
-background processes; the URLs and pids go to ``<state>/stack.json`` (never credentials) so
-``down`` and ``status`` find them later. ``eval "$(ett stack env)"`` points a shell (flows,
-workers, torchrun ranks) at the stack. S3's contents vanish on ``down`` while MLflow's run
-records persist: ``down --wipe`` clears the state dir for a consistent restart.
+``ett stack up`` (or ``python -m infra.devstack.stack up``) starts them (infra/devstack/servers.py)
+as background processes; the URLs and pids go to ``<state>/stack.json`` (never credentials) so
+``down`` and ``status`` find them later. ``eval "$(ett stack env)"`` points a shell (flows, workers,
+torchrun ranks) at the stack. S3's contents vanish on ``down`` while MLflow's run records persist:
+``down --wipe`` clears the state dir for a consistent restart.
 
 Production: the clients read nothing but the variables of ``Stack.env()``, so production
 points them elsewhere: ``AWS_ENDPOINT_URL_S3`` unset (real S3) with credentials from the
@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.servers import (
+from infra.devstack.servers import (
     DEFAULT_BUCKET,
     HEALTH_PATHS,
     LOCAL_AWS_ENV,
@@ -222,7 +222,7 @@ def describe(stack: Stack) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of ``ett stack`` (and ``python -m infra.stack``), in any order."""
+    """The arguments of ``ett stack`` (and ``python -m infra.devstack.stack``), in any order."""
     parser.add_argument("command", choices=["up", "down", "status", "env"])
     parser.add_argument("--state-dir", default=DEFAULT_STATE_DIR)
     parser.add_argument("--services", default=",".join(SERVICES), help="comma-separated")

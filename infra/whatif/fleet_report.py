@@ -1,8 +1,8 @@
 """Rendering a FleetSummary: text and rich tables, markdown for a Prefect artifact, plots.
 
-Kept apart from infra/fleet.py (which computes the summary) as infra/ett_report.py is kept
-apart from infra/ett.py. ``figures`` returns matplotlib figures and writes nothing, so the
-caller decides where they go: files for ``ett fleet --out``, an MLflow run for the flow.
+Kept apart from infra/whatif/fleet.py (which computes the summary) as infra/accounting/report.py is
+kept apart from infra/accounting/ett.py. ``figures`` returns matplotlib figures and writes nothing,
+so the caller decides where they go: files for ``ett fleet --out``, an MLflow run for the flow.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import IO, Any
 
 from infra import tables
 from infra.figures import pyplot
-from infra.fleet import FleetSummary
+from infra.whatif.fleet import FleetSummary
 
 PLOTS = ("ett_trend", "time_to_start", "time_to_recover", "waste")
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 
 from infra import tables
-from infra.ett import BUCKETS, EttReport
+from infra.accounting.ett import BUCKETS, EttReport
+from infra.accounting.mfu import MfuReport
 from infra.figures import pyplot, save_png
-from infra.mfu import MfuReport
 
 TIMELINE_BINS = 2000  # slices of the timeline: more than the figure's pixels across
 COLORS = {
@@ -34,7 +34,7 @@ def _s(x: float | None, unit: str = "s") -> str:
 
 
 def _efficiency(m: MfuReport) -> list[list[str]]:
-    """MFU beside ETT (infra/mfu.py)."""
+    """MFU beside ETT (infra/accounting/mfu.py)."""
     return [
         ["MFU%", f"{m.mfu_pct:.2f}"],
         ["ETT% x MFU (end-to-end)", f"{m.ett_x_mfu_pct:.3f}"],

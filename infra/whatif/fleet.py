@@ -7,9 +7,9 @@ checkpoint blocking per job, and regressions flagged against the trailing median
 
     summary = fleet_summary("sqlite:///mlflow.db", "ett-pipeline")
 
-This module computes; infra/fleet_report.py renders (tables, markdown, plots), the way
-infra/ett.py and infra/ett_report.py split a single job's report. It reads only what
-infra/tracking.py logs (tag ``ett.kind = job``, ``ett.*`` metrics).
+This module computes; infra/whatif/fleet_report.py renders (tables, markdown, plots), the way
+infra/accounting/ett.py and infra/accounting/report.py split a single job's report. It reads only
+what infra/tracking/mlflow_runs.py logs (tag ``ett.kind = job``, ``ett.*`` metrics).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any
 
 from mlflow import MlflowClient
 
-from infra.ett_metrics import METRIC_PREFIX
-from infra.mlflow_client import client as mlflow_client
-from infra.run_metadata import redact_url
-from infra.tracking import JOB_ID_TAG, KIND_TAG
+from infra.tracking.client import client as mlflow_client
+from infra.tracking.metrics import METRIC_PREFIX
+from infra.tracking.mlflow_runs import JOB_ID_TAG, KIND_TAG
+from infra.tracking.run_metadata import redact_url
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ run per attempt, a fleet run per experiment for the fleet report.
 
 Everything a job's run holds is derived from the job's ledger, so ``log_job`` can log a job
 whole, later: a job that ran while MLflow was down is logged at the end of its flow or with
-``ett report --log JOB``. The client and its bounds are infra/mlflow_client.py's, what may be
-logged (params without credentials, source tags) infra/run_metadata.py's, the metric names
-infra/ett_metrics.py's. Tags are ``ett.*`` plus MLflow's own (source, git commit, description).
+``ett report --log JOB``. The client and its bounds are infra/tracking/client.py's, what may be
+logged (params without credentials, source tags) infra/tracking/run_metadata.py's, the metric names
+infra/tracking/metrics.py's. Tags are ``ett.*`` plus MLflow's own (source, git commit, description).
 """
 
 from __future__ import annotations
@@ -29,13 +29,21 @@ from mlflow import MlflowClient
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.utils import mlflow_tags
 
-from infra.ett import EttReport, compute_report
-from infra.ett_metrics import eval_rows, history_metrics, report_metrics, training_curves
-from infra.ett_report import format_table, plot_breakdown, recovery_lines, to_markdown
-from infra.ledger import Event, Mark, Span, ledger_url, read_events, read_files, read_ledger
-from infra.mlflow_client import client, ensure_experiment
-from infra.run_metadata import holdout_dataset, job_params, redact_url, source_tags
+from infra.accounting.ett import EttReport, compute_report
+from infra.accounting.ledger import (
+    Event,
+    Mark,
+    Span,
+    ledger_url,
+    read_events,
+    read_files,
+    read_ledger,
+)
+from infra.accounting.report import format_table, plot_breakdown, recovery_lines, to_markdown
 from infra.settings import JobConfig
+from infra.tracking.client import client, ensure_experiment
+from infra.tracking.metrics import eval_rows, history_metrics, report_metrics, training_curves
+from infra.tracking.run_metadata import holdout_dataset, job_params, redact_url, source_tags
 
 log = logging.getLogger(__name__)
 

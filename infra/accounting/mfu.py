@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from infra.ett import EttReport
-from infra.ledger import Event, Mark, Span, read_events
+from infra.accounting.ett import EttReport
+from infra.accounting.ledger import Event, Mark, Span, read_events
 
 log = logging.getLogger(__name__)
 

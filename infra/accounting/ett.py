@@ -51,7 +51,7 @@ a newer committed checkpoint are counted apart (``fallback_redone_s``, a part of
 ``wasted_training``): the executions, before that resume, of the steps between the
 checkpoint loaded and the newest one skipped.
 
-Times are checked before any of this (infra/clocks.py, through ``read_ledger``): a time
+Times are checked before any of this (infra/accounting/clocks.py, through ``read_ledger``): a time
 that disagrees with its process's monotonic clock, or an event outside its process's life,
 never stretches W; the report says what was rejected and which clock offsets were
 corrected.
@@ -68,9 +68,9 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from infra.clocks import ClockCheck
+from infra.accounting.clocks import ClockCheck
+from infra.accounting.ledger import INIT_SPANS, PUBLISH_SPANS, Event, Mark, Span, read_ledger
 from infra.exit_codes import Outcome
-from infra.ledger import INIT_SPANS, PUBLISH_SPANS, Event, Mark, Span, read_ledger
 
 BUCKETS = (
     "effective_training",
@@ -571,7 +571,7 @@ def compute_report(
     events: list[Event], interval_s: float | None = None, clock: ClockCheck | None = None
 ) -> EttReport:
     """Partition W and derive the L1 metrics; ``interval_s`` overrides the observed interval,
-    ``clock`` is what the reader's clock checks found (infra/clocks.py)."""
+    ``clock`` is what the reader's clock checks found (infra/accounting/clocks.py)."""
     events, standbys, lost = _drop_standby_prewarm(events)
     job = [e for e in events if e.rank == 0 and e.name not in OFF_JOB_SPANS]
     if not job:
