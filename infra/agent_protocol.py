@@ -3,7 +3,7 @@
 A pool (``ett pool``, tasks/agent_pool.py) keeps trainer agents *parked*: ``python -m
 trainer.launch --park`` processes that have imported torch, TorchRec, the trainer and the
 compiler, and wait on a socket for a job. An orchestrator (``ett train``, the ``train``
-flow) that finds ``ETT_AGENT_POOL`` in its environment asks the pool for one instead of
+flow) that finds ``ETT_LAUNCH__AGENT_POOL`` in its environment asks the pool for one instead of
 starting a fresh interpreter; the agent then runs the launch command it is handed, exactly
 as a fresh ``python -m trainer.launch`` would. The imports are the largest part of a warm
 Time to Start on a small host, and a parked agent paid them before the job existed.
@@ -36,7 +36,7 @@ from typing import Any
 
 from infra.processes import REPO_ROOT
 
-ENV_POOL = "ETT_AGENT_POOL"  # orchestrators: the pool's socket path
+ENV_POOL = "ETT_LAUNCH__AGENT_POOL"  # the launch.agent_pool field, set in the environment
 ENV_PARK_FD = "ETT_PARK_FD"  # a parked agent: its end of the socketpair with the pool
 MAX_MESSAGE = 1 << 20
 CLAIM_FDS = 2  # output pipe, status pipe

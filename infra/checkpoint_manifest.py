@@ -1,12 +1,12 @@
 """Checkpoint layout and the manifest that commits a checkpoint: the part every layer reads.
 
-    <job_url>/checkpoints/step-000000120/
+    <job>/checkpoints/step-000000120/
         .metadata, __0_0.distcp, ...   DCP files (tensors only: loaded with weights_only)
         trainer_state.rank000.json     step, data-loader position (one file per rank)
         config.yaml                    the job config, so a publisher can rebuild the model
         _done.rank000.<nonce>.json     each rank's files and checksums, for this save only
         manifest.json                  written LAST: the checkpoint exists once this exists
-    <job_url>/checkpoints/quarantine/step-000000120-<time>/
+    <job>/checkpoints/quarantine/step-000000120-<time>/
         a checkpoint found corrupt, moved out of the committed ones (kept for inspection)
 
 A reader only ever looks at folders that have a manifest, so a crash at any moment before
@@ -30,6 +30,7 @@ from importlib import metadata
 from typing import Any
 
 from infra import storage
+from infra.job_layout import JobLayout
 
 log = logging.getLogger(__name__)
 
@@ -46,18 +47,6 @@ class CheckpointCorrupt(CheckpointError):
     """Verified corruption: a file listed in the manifest is missing, has another size or
     checksum, or the manifest itself is unreadable. Only this lets restore fall back to an
     older checkpoint: a storage error proves nothing about the checkpoint."""
-
-
-def checkpoints_url(job_url: str) -> str:
-    return storage.join(job_url, "checkpoints")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:09d}"
-
-
-def step_url(job_url: str, step: int) -> str:
-    return storage.join(checkpoints_url(job_url), step_dir_name(step))
 
 
 def done_marker(rank: int, nonce: str) -> str:
@@ -136,10 +125,10 @@ def read_manifest(ckpt_url: str) -> Manifest:
     return Manifest.from_json(text, url)
 
 
-def committed_checkpoints(job_url: str) -> list[CommittedCheckpoint]:
+def committed_checkpoints(layout: JobLayout) -> list[CommittedCheckpoint]:
     """Committed checkpoints of a job, newest first; folders without a manifest are skipped
     and unreadable manifests are logged and skipped."""
-    root = checkpoints_url(job_url)
+    root = layout.checkpoints
     found = []
     for name in storage.listdir(root):
         if not name.startswith("step-"):

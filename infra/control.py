@@ -13,8 +13,14 @@ A folder on local disk (``ETT_CONTROL_DIR`` in the ranks' environment) holds:
 - ``rank<L>.pid`` and ``rank<L>.exit``: each rank's pid, written when it starts, and its exit
   code, written as it exits. The orchestrator sees a rank die at once (a rank with a pid and
   no exit code was killed) instead of waiting for torchrun's agent to notice and tear down.
+- ``job.json``, the job's state as the attempt starts: its failures so far (every one, the
+  ones recovered in process too) and when the job started, from which the attempt's
+  checkpoint interval estimates the MTBF. Written before a launch and again right before a
+  standby's promotion (a standby started earlier would know an older count): the one way
+  both travel to the ranks.
 
-Both sides import this module, so the file names and formats live in one place.
+Both sides import this module, so the file names, the formats and the environment variables
+(``ENV_*``) live in one place.
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ log = logging.getLogger(__name__)
 
 ENV_DIR = "ETT_CONTROL_DIR"
 ENV_STANDBY = "ETT_STANDBY"  # "1": initialise, then park until promoted
+ENV_ATTEMPT = "ETT_ATTEMPT"  # the attempt number the orchestrator gave this launch
 PROGRESS_FILE = "progress"
+JOB_STATE_FILE = "job.json"
 _PROGRESS_WIDTH = 160  # fixed-size record: a reader never sees a half-shortened line
 
 
@@ -53,6 +61,23 @@ class Phase(StrEnum):
 
 class Command(StrEnum):
     PROMOTE = "promote"
+
+
+@dataclass(frozen=True)
+class JobState:
+    """What an attempt must know of the job it continues (``job.json``)."""
+
+    failures: int = 0  # every failure of the job before this attempt, in-process ones too
+    started_at: float | None = None  # Unix time the job's first attempt started
+
+    def to_json(self) -> str:
+        return json.dumps({"failures": self.failures, "started_at": self.started_at})
+
+    @classmethod
+    def from_json(cls, text: str) -> JobState:
+        data = json.loads(text)
+        started = data.get("started_at")
+        return cls(int(data.get("failures", 0)), None if started is None else float(started))
 
 
 @dataclass(frozen=True)
@@ -128,6 +153,13 @@ class ControlDir:
 
     def env(self, standby: bool) -> dict[str, str]:
         return {ENV_DIR: self.path, ENV_STANDBY: "1" if standby else "0"}
+
+    def write_job_state(self, state: JobState) -> None:
+        """``job.json``, replaced whole (a rank never reads half of it)."""
+        tmp = os.path.join(self.path, f".{JOB_STATE_FILE}.{os.getpid()}")
+        with open(tmp, "w") as fh:
+            fh.write(state.to_json())
+        os.replace(tmp, os.path.join(self.path, JOB_STATE_FILE))
 
     def send(self, cmd: Command, **payload: Any) -> None:
         """One JSON line to every local rank (at most PIPE_BUF bytes: written atomically)."""
@@ -238,6 +270,15 @@ class RankControl:
             if msg.get("cmd") == cmd:
                 return msg
             log.warning("ignoring unexpected control message %s", msg)
+
+    def job_state(self) -> JobState:
+        """The job's state the orchestrator wrote for this attempt (read after a promotion,
+        it is the one written right before it); the defaults when it wrote none."""
+        try:
+            with open(os.path.join(self.path, JOB_STATE_FILE)) as fh:
+                return JobState.from_json(fh.read())
+        except (OSError, ValueError):
+            return JobState()
 
     def report(self, phase: Phase, step: int = 0, total: int = 0, restarts: int = 0) -> None:
         """Rank 0 rewrites the progress record in place (one syscall). ``restarts``: the

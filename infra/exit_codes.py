@@ -34,7 +34,8 @@ class Outcome(StrEnum):
     """What became of an attempt; also the ``cause`` of a ledger ``failure`` mark."""
 
     SUCCESS = "success"
-    PREEMPTED = "preempted"  # SIGTERM honoured (exit 83), or the flow run was cancelled
+    PREEMPTED = "preempted"  # SIGTERM honoured (exit 83)
+    CANCELLED = "cancelled"  # the job was stopped from outside (a flow run cancelled, Ctrl-C)
     CRASH = "crash"  # an exception, or any other non-zero exit
     SIGKILL = "sigkill"  # a lost worker: the OOM killer, a node failure
     HANG = "hang"  # no progress for the hang timeout: killed by the orchestrator
@@ -55,8 +56,9 @@ class Outcome(StrEnum):
 
     @property
     def counts_as_failure(self) -> bool:
-        """Counts towards ``max_failures`` (preemptions are the platform's, not the job's)."""
-        return self.failed and self is not Outcome.PREEMPTED
+        """Counts towards ``max_failures`` (preemptions are the platform's, a cancellation
+        the user's: neither is the job's)."""
+        return self.failed and self not in (Outcome.PREEMPTED, Outcome.CANCELLED)
 
 
 _FATAL = frozenset({Outcome.BAD_CONFIG, Outcome.BAD_DATA, Outcome.INCOMPATIBLE, Outcome.JOB_LOCKED})

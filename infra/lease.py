@@ -13,7 +13,7 @@ without that variable (plain ``torchrun -m trainer``) takes its own lease on ran
 attempt's life; its other ranks wait until rank 0 holds it.
 
 How, on any store: the lease is a series of generation files
-``<job_url>/_lease/<generation>.json``, each created exclusively (an atomic create on local
+``<job>/_lease/<generation>.json``, each created exclusively (an atomic create on local
 disk, a conditional PUT ``If-None-Match: *`` on S3; other stores: write, then read back the
 random token), so of two jobs taking the next generation only one can win. The holder
 rewrites its own generation every ``ttl_s / 3`` (only it writes that file); one that stops
@@ -37,10 +37,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from infra import processes, storage
+from infra.job_layout import JobLayout
 
 log = logging.getLogger(__name__)
 
-LEASE_DIR = "_lease"
 ENV_VAR = "ETT_JOB_LEASE"
 DEFAULT_TTL_S = 60.0
 RANK0_WAIT_S = 600.0  # how long other ranks wait for rank 0's lease before giving up
@@ -95,37 +95,33 @@ class LeaseRecord:
         )
 
 
-def _lease_dir(job_url: str) -> str:
-    return storage.join(job_url, LEASE_DIR)
+def _generation_url(layout: JobLayout, generation: int) -> str:
+    return storage.join(layout.lease, f"{generation:012d}.json")
 
 
-def _generation_url(job_url: str, generation: int) -> str:
-    return storage.join(_lease_dir(job_url), f"{generation:012d}.json")
-
-
-def _generations(job_url: str) -> list[int]:
+def _generations(layout: JobLayout) -> list[int]:
     return sorted(
         int(name[:-5])
-        for name in storage.listdir(_lease_dir(job_url))
+        for name in storage.listdir(layout.lease)
         if name.endswith(".json") and name[:-5].isdigit()
     )
 
 
-def current_lease(job_url: str) -> LeaseRecord | None:
+def current_lease(layout: JobLayout) -> LeaseRecord | None:
     """The newest generation of the job's lease (live or not); None if never taken."""
     for _ in range(5):
-        found = _generations(job_url)
+        found = _generations(layout)
         if not found:
             return None
         try:
-            data = json.loads(storage.read_text(_generation_url(job_url, found[-1])))
+            data = json.loads(storage.read_text(_generation_url(layout, found[-1])))
         except FileNotFoundError:
             continue  # removed while listing: list again
         except json.JSONDecodeError:
             time.sleep(0.05)  # created without hard links and still being written
             continue
         return LeaseRecord(**data)
-    raise storage.StorageError(f"the lease of job {job_url} cannot be read")
+    raise storage.StorageError(f"the lease of job {layout.url} cannot be read")
 
 
 def _create_exclusive(url: str, record: LeaseRecord) -> bool:
@@ -176,10 +172,10 @@ class JobLease:
     manager's exit). ``lost`` is set when another job took it over (this holder failed to
     renew it for ``ttl_s``): the holder should stop writing to the job."""
 
-    def __init__(self, job_url: str, record: LeaseRecord) -> None:
-        self.job_url = job_url
+    def __init__(self, layout: JobLayout, record: LeaseRecord) -> None:
+        self.layout = layout
         self._record = record
-        self._url = _generation_url(job_url, record.generation)
+        self._url = _generation_url(layout, record.generation)
         self.lost = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="job-lease", daemon=True)
@@ -195,13 +191,13 @@ class JobLease:
 
     def renew(self) -> bool:
         """Extend the lease by ``ttl_s``; False (and ``lost`` set) if another job took it."""
-        newer = [g for g in _generations(self.job_url) if g > self._record.generation]
+        newer = [g for g in _generations(self.layout) if g > self._record.generation]
         if newer:
             self.lost.set()
-            holder = current_lease(self.job_url)
+            holder = current_lease(self.layout)
             log.error(
                 "lost the lease on job %s to %s",
-                self.job_url,
+                self.layout.url,
                 holder.describe() if holder else "another job",
             )
             return False
@@ -216,7 +212,7 @@ class JobLease:
                 if not self.renew():
                     return
             except OSError as exc:  # storage trouble: the next beat tries again
-                log.warning("could not renew the lease on job %s: %s", self.job_url, exc)
+                log.warning("could not renew the lease on job %s: %s", self.layout.url, exc)
 
     def release(self) -> None:
         """Stop renewing and mark the lease free (unless another job took it meanwhile)."""
@@ -227,10 +223,10 @@ class JobLease:
         if self.lost.is_set():
             return
         try:
-            if not [g for g in _generations(self.job_url) if g > self._record.generation]:
+            if not [g for g in _generations(self.layout) if g > self._record.generation]:
                 _write(self._url, replace(self._record, released=True, renewed_at=time.time()))
         except OSError as exc:  # it expires by itself
-            log.warning("could not release the lease on job %s: %s", self.job_url, exc)
+            log.warning("could not release the lease on job %s: %s", self.layout.url, exc)
 
     def __enter__(self) -> JobLease:
         return self
@@ -239,15 +235,15 @@ class JobLease:
         self.release()
 
 
-def _locked(job_url: str, holder: LeaseRecord) -> JobLocked:
+def _locked(layout: JobLayout, holder: LeaseRecord) -> JobLocked:
     return JobLocked(
-        f"job {job_url} is in use by another job with the same job_id: held by "
+        f"job {layout.url} is in use by another job with the same job_id: held by "
         f"{holder.describe()}; wait for it to end, or choose another job_id"
     )
 
 
 def acquire_job_lease(
-    job_url: str,
+    layout: JobLayout,
     owner: str | None = None,
     ttl_s: float = DEFAULT_TTL_S,
     wait_s: float = 0.0,
@@ -263,10 +259,10 @@ def acquire_job_lease(
     token = owner or uuid.uuid4().hex
     deadline = time.monotonic() + wait_s
     while True:
-        current = current_lease(job_url)
+        current = current_lease(layout)
         if current is not None and current.live() and current.token != token:
             if time.monotonic() >= deadline:
-                raise _locked(job_url, current)
+                raise _locked(layout, current)
             time.sleep(min(1.0, ttl_s / 10))
             continue
         generation = 0 if current is None else current.generation + 1
@@ -280,51 +276,51 @@ def acquire_job_lease(
             ttl_s=ttl_s,
             renewed_at=time.time(),
         )
-        if _create_exclusive(_generation_url(job_url, generation), record):
-            for old in _generations(job_url):
+        if _create_exclusive(_generation_url(layout, generation), record):
+            for old in _generations(layout):
                 if old < generation:
                     with contextlib.suppress(OSError):
-                        storage.remove(_generation_url(job_url, old))
-            log.info("holding the lease on job %s (generation %d)", job_url, generation)
-            return JobLease(job_url, record)
+                        storage.remove(_generation_url(layout, old))
+            log.info("holding the lease on job %s (generation %d)", layout.url, generation)
+            return JobLease(layout, record)
         # another job created this generation first: look again
 
 
-def check_job_lease(job_url: str, token: str) -> None:
+def check_job_lease(layout: JobLayout, token: str) -> None:
     """Raise JobLocked unless the job's lease is held under ``token`` (the orchestrator's,
     from ``ETT_JOB_LEASE``). Read-only: any number of processes of the job may check."""
-    current = current_lease(job_url)
+    current = current_lease(layout)
     if current is None or current.token != token or current.released:
         held = current.describe() if current is not None and current.live() else "nobody"
         raise JobLocked(
-            f"job {job_url}: {ENV_VAR} names lease {token[:8]}, but the lease is held by "
+            f"job {layout.url}: {ENV_VAR} names lease {token[:8]}, but the lease is held by "
             f"{held}; the orchestrator that started this trainer no longer owns the job"
         )
 
 
-def _wait_for_rank0(job_url: str, run_id: str, wait_s: float) -> None:
+def _wait_for_rank0(layout: JobLayout, run_id: str, wait_s: float) -> None:
     """Other ranks of a trainer without an orchestrator: wait until rank 0 holds the lease
     (rank 0 alone decides; if it is refused it exits, and torchrun stops this rank)."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        current = current_lease(job_url)
+        current = current_lease(layout)
         if current is not None and current.run_id == run_id and current.live():
             return
         time.sleep(0.2)
-    raise JobLocked(f"job {job_url}: rank 0 took no lease within {wait_s:.0f} s")
+    raise JobLocked(f"job {layout.url}: rank 0 took no lease within {wait_s:.0f} s")
 
 
 @contextlib.contextmanager
-def trainer_lease(job_url: str, rank: int, ttl_s: float = DEFAULT_TTL_S) -> Iterator[None]:
+def trainer_lease(layout: JobLayout, rank: int, ttl_s: float = DEFAULT_TTL_S) -> Iterator[None]:
     """The trainer's side, around a whole attempt: with ``ETT_JOB_LEASE`` set, check that the
     lease is the orchestrator's; without, rank 0 holds its own lease for the attempt."""
     token = os.environ.get(ENV_VAR)
     if token:
-        check_job_lease(job_url, token)
+        check_job_lease(layout, token)
         yield
     elif rank == 0:
-        with acquire_job_lease(job_url, ttl_s=ttl_s):
+        with acquire_job_lease(layout, ttl_s=ttl_s):
             yield
     else:
-        _wait_for_rank0(job_url, _run_id(), RANK0_WAIT_S)
+        _wait_for_rank0(layout, _run_id(), RANK0_WAIT_S)
         yield

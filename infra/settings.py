@@ -4,10 +4,13 @@ Every process of a job (the Prefect flow, each torchrun rank, the publisher) rea
 file, so the config is the contract between them. Values are checked on load: a bad value is
 rejected with a message naming the field and what it accepts, before any work is started.
 
-Precedence, highest first: explicit overrides (a flow's ``overrides`` parameter: what a
-deployment run asks for), ETT_* environment variables (``ETT_TRAIN__STEPS=50`` sets
-``train.steps``: what the machine or worker says), the config file, the defaults. The ranks
-of a job load the resolved config (``load_resolved``), so they see what the flow saw.
+Precedence, lowest first: the embedded defaults, the config file, the overrides (a flow
+run's or a deployment's ``overrides`` parameter, ``ett train``'s flags), then ETT_*
+environment variables (``ETT_TRAIN__STEPS=50`` sets ``train.steps``). The environment is
+the place a job runs in: a worker's or a work pool's ``ETT_STORAGE__ROOT`` says where that
+place keeps its data, and a run's parameters cannot send the job elsewhere (a run that must
+differ sets its own ``job_variables.env``). The ranks of a job load the resolved config
+(``load_resolved``), so they see what the orchestrator saw.
 
 Strict: a file or an override says what it means. ``steps: "100"`` is not 100 and
 ``shuffle: 1`` is not true (a quoted number is a typo waiting to happen, and silent coercion
@@ -24,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from contextvars import ContextVar
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -56,6 +60,9 @@ from infra.config_sources import (
     reading,
     redact_url,
 )
+from infra.job_layout import JobLayout
+
+_RESOLVED: ContextVar[bool] = ContextVar("ett_resolved_config", default=False)
 
 
 class _Frozen(BaseModel):
@@ -244,8 +251,34 @@ class CheckpointConfig(_Frozen):
         return self
 
 
+class LaunchConfig(_Frozen):
+    """How every attempt of the job is launched (tasks/attempt.py): one torchrun agent per
+    node, ``nproc`` ranks each."""
+
+    nproc: int = Field(default=1, ge=1, le=1024)  # ranks per node
+    nnodes: int = Field(default=1, ge=1, le=4096)  # each a torchrun agent, c10d rendezvous
+    # A warm agent pool's socket (``ett pool``): launchers are claimed from it when it can
+    # serve them, else started fresh (docs/recovery.md).
+    agent_pool: str | None = None
+
+
 class RecoveryConfig(_Frozen):
-    """How an attempt recovers from failures (tasks/attempts.py, trainer/restart.py)."""
+    """How a job survives failures: the orchestrator's retries, timeouts and warm standby
+    (tasks/orchestrator.py), and the trainer's in-process restart (trainer/restart.py)."""
+
+    # Failures (crash, lost worker, hang) survived; one more fails the job. Preemptions do
+    # not count (``max_preemptions`` only stops an endless loop of them).
+    max_failures: int = Field(default=3, ge=0, le=1000)
+    max_preemptions: int = Field(default=20, ge=0, le=10_000)
+    # The same kind of failure twice in a row waits this long before the relaunch, doubling
+    # per repeat up to backoff_max_s; the first of a kind relaunches at once.
+    backoff_s: float = Field(default=10.0, ge=0, le=86_400)
+    backoff_max_s: float = Field(default=300.0, ge=0, le=86_400)
+    # An attempt that makes no step for this long is hung: its whole process tree is ended.
+    hang_timeout_s: float = Field(default=600.0, gt=0, le=7 * 86_400)
+    # ...and one that has made no first step this long after it started or was promoted
+    # (a cold compile and a cold data cache included).
+    startup_timeout_s: float = Field(default=900.0, gt=0, le=7 * 86_400)
 
     # A warm standby attempt initialises while each attempt trains and parks; on a failure
     # it is promoted at once. It costs one more trainer process per rank while parked
@@ -298,6 +331,7 @@ class JobConfig(BaseSettings):
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    launch: LaunchConfig = LaunchConfig()
     recovery: RecoveryConfig = RecoveryConfig()
     faults: tuple[FaultConfig, ...] = Field(default=(), strict=False)
     tracking: TrackingConfig = TrackingConfig()
@@ -311,16 +345,19 @@ class JobConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # Overrides (init kwargs) > environment > file: operators override a checked-in
-        # config per machine without editing it, and a run's parameters override both.
+        # Environment > overrides (init kwargs) > file > defaults: see the module docstring.
+        # A resolved config (``load_resolved``) is final: the environment only fills what it
+        # leaves out (credentials).
+        if _RESOLVED.get():
+            return init_settings, EnvSource(settings_cls)
         path = config_file()
         file = () if path is None else (file_source(settings_cls, path),)
-        return init_settings, EnvSource(settings_cls), *file
+        return EnvSource(settings_cls), init_settings, *file
 
     @property
-    def job_url(self) -> str:
-        """The job's folder on storage: checkpoints, ledgers and reports live below it."""
-        return f"{self.storage.root.rstrip('/')}/jobs/{self.job_id}"
+    def layout(self) -> JobLayout:
+        """Where the job keeps everything on its storage (infra/job_layout.py)."""
+        return JobLayout.for_job(self.storage.root, self.job_id, self.train.compile_cache_url)
 
     def model_hash(self) -> str:
         """Hash of everything that shapes the model's state: a checkpoint or compile cache
@@ -347,9 +384,8 @@ class JobConfig(BaseSettings):
 def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> JobConfig:
     """Load a job config from a YAML/TOML file (or the embedded defaults when None).
 
-    ``overrides`` are nested dicts merged over the rest, e.g. ``train={"steps": 10}``; they
-    win over ETT_* environment variables, which win over the file. Raises ConfigError
-    naming each bad field.
+    ``overrides`` are nested dicts merged over the file, e.g. ``train={"steps": 10}``;
+    ETT_* environment variables win over both. Raises ConfigError naming each bad field.
     """
     source = str(path) if path is not None else "embedded defaults"
     try:
@@ -369,10 +405,13 @@ def load_resolved(path: str | os.PathLike[str]) -> JobConfig:
     It was resolved already, environment included, so its values win over ETT_* variables;
     those only fill what it leaves out: credentials, which are never written to it."""
     data = file_source(JobConfig, Path(path))()
+    token = _RESOLVED.set(True)
     try:
         return JobConfig(**data)
     except ValidationError as exc:
         raise ConfigError(format_errors(exc, str(path))) from None
+    finally:
+        _RESOLVED.reset(token)
 
 
 def config_yaml(config: JobConfig) -> str:

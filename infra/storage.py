@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import fsspec
 from fsspec import AbstractFileSystem
 
-from infra.settings import StorageConfig
+from infra.urls import join, local_path  # noqa: F401 - storage API: callers name places with them
+
+if TYPE_CHECKING:  # the settings name their storage's paths (infra/job_layout.py)
+    from infra.settings import StorageConfig
+
 
 T = TypeVar("T")
 
@@ -70,23 +74,6 @@ def split(url: str) -> tuple[AbstractFileSystem, str]:
         return fsspec.filesystem("file"), os.path.abspath(path)
     fs, path = fsspec.core.url_to_fs(url)
     return fs, path
-
-
-def join(url: str, *parts: str) -> str:
-    """Join URL parts with '/' (works for every protocol, unlike os.path.join)."""
-    out = url.rstrip("/")
-    for part in parts:
-        out = f"{out}/{part.strip('/')}"
-    return out
-
-
-def local_path(url: str) -> str | None:
-    """The local filesystem path of a file:// or plain URL, None for remote storage."""
-    if "://" not in url:
-        return os.path.abspath(url)
-    if url.startswith("file://"):
-        return os.path.abspath(url[len("file://") :])
-    return None
 
 
 def _unavailable() -> tuple[type[BaseException], ...]:

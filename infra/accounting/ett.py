@@ -69,8 +69,10 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from infra.accounting.clocks import ClockCheck
-from infra.accounting.ledger import INIT_SPANS, PUBLISH_SPANS, Event, Mark, Span, read_ledger
+from infra.accounting.ledger_format import INIT_SPANS, PUBLISH_SPANS, Event, Mark, Span
+from infra.accounting.ledger_read import read_ledger
 from infra.exit_codes import Outcome
+from infra.job_layout import JobLayout
 
 BUCKETS = (
     "effective_training",
@@ -259,9 +261,9 @@ class EttReport:
         return scalars | {f"bucket_{k}_s": v for k, v in self.buckets.items()}
 
 
-def report_for_job(job_url: str, interval_s: float | None = None) -> EttReport:
+def report_for_job(layout: JobLayout, interval_s: float | None = None) -> EttReport:
     """Read a job's ledger (every attempt, rank and role) and compute its report."""
-    read = read_ledger(job_url)
+    read = read_ledger(layout)
     return compute_report(read.events, interval_s=interval_s, clock=read.clock)
 
 

@@ -35,7 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from infra.accounting.ett import EttReport
-from infra.accounting.ledger import Event, Mark, Span, read_events
+from infra.accounting.ledger_format import Event, Mark, Span
+from infra.accounting.ledger_read import read_events
+from infra.job_layout import JobLayout
 
 log = logging.getLogger(__name__)
 
@@ -216,12 +218,12 @@ def mfu_report(events: list[Event], report: EttReport) -> MfuReport | None:
     )
 
 
-def mfu_for_job(job_url: str, report: EttReport) -> MfuReport | None:
+def mfu_for_job(layout: JobLayout, report: EttReport) -> MfuReport | None:
     """``mfu_report`` of a job's ledger (the report is the job's ETT report)."""
-    return mfu_report(read_events(job_url), report)
+    return mfu_report(read_events(layout), report)
 
 
-def mfu_metrics(job_url: str, report: EttReport) -> dict[str, float]:
+def mfu_metrics(layout: JobLayout, report: EttReport) -> dict[str, float]:
     """MFU metrics of a job for MLflow (empty when there is no MFU to report)."""
-    mfu = mfu_for_job(job_url, report)
+    mfu = mfu_for_job(layout, report)
     return {} if mfu is None else mfu.to_metrics()

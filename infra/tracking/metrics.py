@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from mlflow.entities import Metric
 
 from infra.accounting.ett import EttReport
-from infra.accounting.ledger import Event, Span
+from infra.accounting.ledger_format import Event, Span
 
 METRIC_PREFIX = "ett."
 # Ledger span attribute -> metric key, per span name: the training curves of a job's run.

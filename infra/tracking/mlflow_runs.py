@@ -29,17 +29,10 @@ from mlflow import MlflowClient
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.utils import mlflow_tags
 
-from infra.accounting.ett import EttReport, compute_report
-from infra.accounting.ledger import (
-    Event,
-    Mark,
-    Span,
-    ledger_url,
-    read_events,
-    read_files,
-    read_ledger,
-)
+from infra.accounting.ett import EttReport
+from infra.accounting.ledger_format import Event, Mark, Span
 from infra.accounting.report import format_table, plot_breakdown, recovery_lines, to_markdown
+from infra.accounting.summary import JobSummary
 from infra.settings import JobConfig
 from infra.tracking.client import client, ensure_experiment
 from infra.tracking.metrics import eval_rows, history_metrics, report_metrics, training_curves
@@ -109,7 +102,7 @@ def find_job_run(ml: MlflowClient, experiment_id: str, job_id: str) -> Any | Non
 
 def _job_description(config: JobConfig) -> str:
     return (
-        f"Training job `{config.job_id}` ({redact_url(config.job_url)}).\n\n"
+        f"Training job `{config.job_id}` ({redact_url(config.layout.url)}).\n\n"
         "- `trainer.loss`: training loss per step (rank 0; a step redone after a failure "
         "shows its last run).\n"
         "- `trainer.holdout_auc`, `trainer.holdout_logloss`: the trainer's own evaluation every "
@@ -131,7 +124,7 @@ def start_job_run(config: JobConfig, source: str = "flows/train_flow.py") -> str
     params = job_params(config)
     tags = {
         JOB_ID_TAG: config.job_id,
-        JOB_URL_TAG: redact_url(config.job_url),
+        JOB_URL_TAG: redact_url(config.layout.url),
         KIND_TAG: "job",
         **source_tags(source),
     }
@@ -259,12 +252,10 @@ def _logged_attempts(ml: MlflowClient, run_id: str) -> set[int]:
 
 def log_job_report(
     run_id: str,
-    report: EttReport,
-    job_url: str,
+    summary: JobSummary,
     extra_metrics: Mapping[str, float] | None = None,
     *,
     tracking_uri: str | None = None,
-    events: Sequence[Event] | None = None,
     data_url: str | None = None,
     status: str | None = "FINISHED",
 ) -> dict[str, float]:
@@ -276,13 +267,16 @@ def log_job_report(
     names the holdout the trainer evaluated on (logged as the run's eval dataset).
     """
     ml = client(_resolve_uri(run_id, tracking_uri))
-    events = read_events(job_url) if events is None else events
+    report, events = summary.report, summary.events
     at = int(time.time() * 1000)
     scalars = report_metrics(report)
     scalars.update({k: float(v) for k, v in (extra_metrics or {}).items()})
     metrics = [Metric(k, v, at, 0) for k, v in scalars.items()]
     metrics += history_metrics(report, at) + training_curves(events)
-    tags = {JOB_URL_TAG: redact_url(job_url), "ett.finished": str(report.finished).lower()}
+    tags = {
+        JOB_URL_TAG: redact_url(summary.layout.url),
+        "ett.finished": str(report.finished).lower(),
+    }
     # What recovery did and what the ledger checks found: one line each, in the run's tags.
     if recovered := recovery_lines(report):
         tags["ett.recovery"] = "\n".join(recovered)[:TAG_LIMIT]
@@ -299,17 +293,16 @@ def log_job_report(
         ett_dir.mkdir()
         ledger_dir.mkdir()
         (ett_dir / "report.json").write_text(json.dumps(report.to_dict(), indent=2, default=str))
-        (ett_dir / "report.txt").write_text(format_table(report))
-        (ett_dir / "report.md").write_text(to_markdown(report))
+        (ett_dir / "report.txt").write_text(format_table(report, summary.mfu))
+        (ett_dir / "report.md").write_text(to_markdown(report, summary.mfu))
         plot_breakdown(report, ett_dir / "breakdown.png")
         ml.log_artifacts(run_id, str(ett_dir), artifact_path="ett")
-        files = read_files(job_url)  # segmented ones reassembled
-        for file in files:
+        for file in summary.files:  # segmented ones reassembled
             (ledger_dir / file.name).write_bytes(file.data)
-        if files:
+        if summary.files:
             ml.log_artifacts(run_id, str(ledger_dir), artifact_path="ledger")
         else:
-            log.warning("no ledger files under %s", redact_url(ledger_url(job_url)))
+            log.warning("no ledger files under %s", redact_url(summary.layout.ledger))
     if status is not None:
         ml.set_terminated(run_id, status=status)
     return scalars
@@ -329,31 +322,28 @@ def _final_status(report: EttReport, succeeded: bool | None) -> str | None:
 
 def log_job(
     config: JobConfig,
+    summary: JobSummary,
     run_id: str | None = None,
     *,
     succeeded: bool | None = None,
     extra_metrics: Mapping[str, float] | None = None,
 ) -> tuple[str, dict[str, float]]:
-    """Log a job whole from its ledger: its run (``run_id``, else found or created), every
+    """Log a job whole from its summary: its run (``run_id``, else found or created), every
     attempt not logged yet, the ETT report, the curves and the artifacts. Returns the run id
     and the scalar metrics. This is how a job that ran while MLflow was down gets logged."""
-    uri, job_url = config.tracking.mlflow_uri, config.job_url
-    read = read_ledger(job_url)
-    events = read.events
-    report = compute_report(events, clock=read.clock)
+    uri = config.tracking.mlflow_uri
+    report = summary.report
     run_id = run_id or start_job_run(config)
     ml = client(uri)
     logged = _logged_attempts(ml, run_id)
-    for attempt in attempts_from_ledger(report, events):
+    for attempt in attempts_from_ledger(report, summary.events):
         if attempt.attempt not in logged:
             log_attempt(run_id, attempt, tracking_uri=uri)
     scalars = log_job_report(
         run_id,
-        report,
-        job_url,
+        summary,
         extra_metrics,
         tracking_uri=uri,
-        events=events,
         data_url=config.data.url,
         status=_final_status(report, succeeded),
     )

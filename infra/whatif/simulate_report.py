@@ -16,6 +16,7 @@ from typing import Any
 
 from infra.accounting.ett import EttReport, report_for_job
 from infra.figures import pyplot, save_png
+from infra.job_layout import JobLayout
 from infra.tables import to_text
 from infra.whatif.advisor import DAY_S
 from infra.whatif.projection import Projection, gpu_grid, project
@@ -39,7 +40,7 @@ class SimulateOutput:
 
 
 def run_simulate(
-    jobs: Mapping[str, str],
+    jobs: Mapping[str, JobLayout],
     laws: ScalingLaws,
     days: float,
     tolerance_pts: float = 3.0,
@@ -47,13 +48,13 @@ def run_simulate(
     seed: int = 0,
     validate_only: bool = False,
 ) -> SimulateOutput:
-    """Validate every job (label -> job URL), then project them unless ``validate_only``."""
+    """Validate every job (label -> its layout), then project them unless ``validate_only``."""
     reports: dict[str, EttReport] = {}
-    for label, url in jobs.items():
+    for label, layout in jobs.items():
         try:
-            reports[label] = report_for_job(url)
+            reports[label] = report_for_job(layout)
         except (ValueError, OSError) as exc:
-            raise ValueError(f"{label} ({url}): {exc}") from None
+            raise ValueError(f"{label} ({layout.url}): {exc}") from None
     validations = tuple(validate(r, label) for label, r in reports.items())
     if validate_only:
         return SimulateOutput(validations, None, tolerance_pts)
