@@ -58,7 +58,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The project code the served model imports (publish.serving and what it pulls in): the model
 # definition only, never the training loop. tests/publish checks a bare process loads it.
 SERVING_CODE = {
-    "infra": ("__init__.py", "settings.py", "config_sources.py"),
+    "infra": ("__init__.py", "settings.py", "config_sources.py", "job_layout.py", "urls.py"),
     "trainer": (
         "__init__.py",
         "model.py",

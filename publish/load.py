@@ -18,10 +18,11 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from infra import storage
+from infra.checkpoint_manifest import MANIFEST, CheckpointError, CommittedCheckpoint, Manifest
 from infra.config_sources import ConfigError
+from infra.job_layout import JobLayout
 from infra.settings import JobConfig, load_config
 from publish.settings import PublishError
-from trainer.checkpoint.manifest import MANIFEST, CheckpointError, CommittedCheckpoint, Manifest
 from trainer.checkpoint.restore import fetch
 from trainer.model import RankingModel
 from trainer.unsharded import cpu_model, load_model_weights
@@ -51,11 +52,9 @@ class AnchorRef:
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     @property
-    def job_url(self) -> str | None:
-        """``<job_url>/checkpoints/step-N`` -> ``<job_url>`` (None for another layout)."""
-        head, sep, _ = self.uri.rstrip("/").rpartition("/")
-        parent, _, name = head.rpartition("/")
-        return parent if sep and name == "checkpoints" and parent else None
+    def layout(self) -> JobLayout | None:
+        """The job it belongs to (None for a checkpoint outside a job's folder)."""
+        return JobLayout.of_checkpoint(self.uri)
 
 
 @dataclass

@@ -93,7 +93,7 @@ class Publication:
         self.validation: validate.Validation | None = None
         self.result: PublishResult | None = None
         self.seconds: dict[str, float] = {}
-        self.job_url = ref.job_url or config.job_url
+        self.layout = ref.layout or config.layout
         self.ledger: Ledger | None = None  # opened by the first stage that runs
 
     # -- set-up ---------------------------------------------------------------------------
@@ -134,8 +134,8 @@ class Publication:
         the next free attempt number: on object storage a ledger file is re-uploaded whole,
         so reusing attempt 0 would erase an earlier publish run's spans."""
         if self.ledger is None:
-            attempt = next_attempt(self.job_url, role=ROLE, rank=0)
-            self.ledger = Ledger(self.job_url, attempt=attempt, rank=0, role=ROLE)
+            attempt = next_attempt(self.layout, role=ROLE, rank=0)
+            self.ledger = Ledger(self.layout, attempt=attempt, rank=0, role=ROLE)
         return self.ledger
 
     def _connect(self, tracking_uri: str) -> MlflowClient:

@@ -49,11 +49,13 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from infra import storage
-from infra.accounting.ledger import Ledger, Span, parse_lines
+from infra.accounting.ledger import Ledger
+from infra.accounting.ledger_format import Span, parse_lines
+from infra.checkpoint_manifest import CheckpointError, CommittedCheckpoint, committed_checkpoints
 from infra.config_sources import ConfigError
 from infra.exit_codes import ExitCode
+from infra.job_layout import JobLayout
 from infra.settings import JobConfig, load_config
-from trainer.checkpoint.manifest import CheckpointError, CommittedCheckpoint, committed_checkpoints
 from trainer.checkpoint.restore import fetch
 from trainer.data.batch import Batch
 from trainer.data.decode import DataError
@@ -64,7 +66,6 @@ from trainer.unsharded import cpu_model, load_model_weights
 log = logging.getLogger("trainer.checkpoint_evaluator")
 
 ROLE = "evaluator"
-FINAL_METRICS = "final_metrics.json"
 DEFAULT_NICE = 10
 # What a checkpoint that vanished, is corrupt or half-deleted raises while it is read.
 # DCP wraps a reader's error in CheckpointException, a BaseException.
@@ -201,7 +202,7 @@ def evaluated_before(ledger_url: str) -> int | None:
     return max(steps, default=None)
 
 
-def record(ledger: Ledger, job_url: str, done: Evaluation) -> None:
+def record(ledger: Ledger, layout: JobLayout, done: Evaluation) -> None:
     """The span, and after the anchor the job's final metrics."""
     ckpt, metrics = done.ckpt, done.metrics
     ledger.record_span(
@@ -222,7 +223,7 @@ def record(ledger: Ledger, job_url: str, done: Evaluation) -> None:
             "logloss": metrics["logloss"],
             "rows": done.rows,
         }
-        url = storage.join(job_url, FINAL_METRICS)
+        url = layout.final_metrics
         try:
             storage.write_text(url, json.dumps(summary, indent=2))
         except OSError as exc:  # the span holds the same numbers
@@ -236,8 +237,7 @@ def run(
     storage.configure(config.storage)
     torch.set_num_threads(1)
     os.nice(nice)
-    job_url = config.job_url
-    ledger = Ledger(job_url, attempt=0, rank=0, role=ROLE)
+    ledger = Ledger(config.layout, attempt=0, rank=0, role=ROLE)
     workdir = tempfile.mkdtemp(prefix="ett-evaluator-")
 
     def on_exit(reason: str) -> None:
@@ -263,7 +263,7 @@ def _loop(
     poll_s: float,
     once: bool,
 ) -> int:
-    job_url, eval_every = config.job_url, config.train.eval_every
+    layout, eval_every = config.layout, config.train.eval_every
     try:
         holdout = holdout_batches(
             config.data, 0, 1, config.train.eval_rows, config.data.eval_batch_size
@@ -276,16 +276,16 @@ def _loop(
     skipped: set[tuple[str, float]] = set()
     log.info(
         "evaluating %s: eval_every=%d, %d holdout rows, newest evaluated step %s",
-        job_url,
+        layout.url,
         eval_every,
         sum(len(b) for b in holdout),
         newest,
     )
     while not lifeline.stop.is_set():
         try:
-            committed = committed_checkpoints(job_url)
+            committed = committed_checkpoints(layout)
         except OSError as exc:  # storage hiccup: the next poll retries
-            log.warning("cannot list checkpoints of %s: %s", job_url, _one_line(exc))
+            log.warning("cannot list checkpoints of %s: %s", layout.url, _one_line(exc))
             committed = []
         todo = sorted(
             (
@@ -312,7 +312,7 @@ def _loop(
             with lifeline.writing:
                 if lifeline.stop.is_set():  # told to stop: finish nothing new
                     break
-                record(ledger, job_url, done)
+                record(ledger, layout, done)
             newest = ckpt.step
             log.info(
                 "step %d holdout auc=%.4f logloss=%.4f (async)",

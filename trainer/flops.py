@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from infra.accounting.ledger import Ledger, Mark
+from infra.accounting.ledger import Ledger
+from infra.accounting.ledger_format import Mark
 from infra.accounting.mfu import cpu_model
 from infra.settings import DataConfig, JobConfig, ModelConfig
 

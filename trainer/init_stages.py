@@ -41,7 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from infra.accounting.ledger import Ledger, Mark, Span
+from infra.accounting.ledger import Ledger
+from infra.accounting.ledger_format import Mark, Span
 from infra.control import Command, Phase, RankControl
 from infra.settings import EvalMode, JobConfig
 from trainer import compile_cache, compiled
@@ -119,7 +120,7 @@ class Components:
     checkpointer: Checkpointer
     control_group: dist.ProcessGroup
     start_step: int
-    promotion: dict[str, Any] = field(default_factory=dict)  # what the orchestrator sent
+    promoted: bool = False  # a standby the orchestrator promoted
     compile: CompileState = field(default_factory=lambda: CompileState(enabled=False))
 
 
@@ -146,7 +147,7 @@ class Initializer:
         self.config, self.ledger, self.control = config, ledger, control
         self.standby = control is not None and control.standby
         self.compile_state = CompileState(enabled=config.train.compile)
-        self.promoted_with: dict[str, Any] = {}
+        self.promoted = False
         self._warm_copy: torch.nn.Module | None = None
         self._key_parts: dict[str, Any] = {}
 
@@ -202,7 +203,7 @@ class Initializer:
             checkpointer=self.checkpointer,
             control_group=self.control_group,
             start_step=self.resume.step,
-            promotion=self.promoted_with,
+            promoted=self.promoted,
             compile=self.compile_state,
         )
 
@@ -318,8 +319,9 @@ class Initializer:
         msg = self.control.wait(Command.PROMOTE)
         if msg is None:
             raise StandbyReleased(f"standby attempt {self.ledger.attempt} was never promoted")
-        self.promoted_with = msg
-        self.ledger.mark(Mark.PROMOTED, **{k: v for k, v in msg.items() if k != "cmd"})
+        self.promoted = True
+        # The job's state as of the promotion: written by the orchestrator right before it.
+        self.ledger.mark(Mark.PROMOTED, failures=self.control.job_state().failures)
         if self.env.is_main:
             self.control.report(Phase.INIT)
             log.info("standby attempt %d promoted", self.ledger.attempt)
@@ -332,7 +334,7 @@ class Initializer:
             self.optimizer,
             self.ledger,
             self.checkpoint_group,
-            promoted=bool(self.promoted_with),
+            promoted=self.promoted,
         )
         attrs["resumed_from_step"] = self.resume.step
 

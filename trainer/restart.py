@@ -26,7 +26,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from infra.accounting.ledger import Ledger, Mark
+from infra.accounting.ledger import Ledger
+from infra.accounting.ledger_format import Mark
 from infra.settings import JobConfig
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.data.loader import START_POSITION, TrainLoader

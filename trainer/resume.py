@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 
 from infra import storage
-from infra.accounting.ledger import Ledger, Mark
+from infra.accounting.ledger import Ledger
+from infra.accounting.ledger_format import Mark
+from infra.checkpoint_manifest import CheckpointError, rank_state_name
 from infra.settings import JobConfig
-from trainer.checkpoint.manifest import CheckpointError, rank_state_name
 from trainer.checkpoint.restore import candidates, check_compatible, restore
 from trainer.checkpoint.retention import purge_uncommitted
 from trainer.checkpoint.state import app_state, apply_loaded
@@ -69,7 +70,7 @@ def restore_model(
     mark names the checkpoint, how this restore came about (a cold attempt, a ``promoted``
     standby, an ``in_process`` restart) and every newer checkpoint it skipped, and why."""
     if env.is_main and not in_process:
-        purge_uncommitted(config.job_url)
+        purge_uncommitted(config.layout)
     dist.barrier(group=group)
     optimizer.init_state()  # materialise lazy optimizer state so it can be loaded in place
     state = app_state(model, optimizer, env.rank)

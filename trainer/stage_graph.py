@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from infra.accounting.ledger import Ledger, Span
+from infra.accounting.ledger import Ledger
+from infra.accounting.ledger_format import Span
 
 log = logging.getLogger(__name__)
 

@@ -28,10 +28,13 @@ import torch
 import torch.distributed as dist
 
 from infra import storage
-from infra.accounting.ledger import Ledger, Mark, Span, next_attempt, recover_orphaned_spools
+from infra.accounting.ledger import Ledger, next_attempt, recover_orphaned_spools
+from infra.accounting.ledger_format import Mark, Span
+from infra.checkpoint_manifest import CheckpointError
 from infra.config_sources import ConfigError
-from infra.control import ENV_STANDBY, Phase, RankControl
+from infra.control import ENV_ATTEMPT, ENV_STANDBY, JobState, Phase, RankControl
 from infra.exit_codes import ExitCode
+from infra.job_layout import JobLayout
 from infra.lease import JobLocked, trainer_lease
 from infra.library_logs import quiet_library_dumps
 from infra.processes import die_with_parent
@@ -45,7 +48,6 @@ from infra.settings import (
 )
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.interval import FailureHistory, IntervalPolicy
-from trainer.checkpoint.manifest import CheckpointError
 from trainer.checkpoint.state import tensor_states
 from trainer.consensus import StepConsensus
 from trainer.data.batch import Batch
@@ -57,10 +59,6 @@ from trainer.model import batch_to_kjts
 from trainer.restart import InProcessRestart
 
 log = logging.getLogger("trainer")
-
-ENV_ATTEMPT = "ETT_ATTEMPT"
-ENV_FAILURES = "ETT_JOB_FAILURES"  # failures the job had before this attempt started
-ENV_JOB_STARTED = "ETT_JOB_STARTED_AT"  # Unix time of the job's first attempt
 
 
 @dataclass
@@ -101,19 +99,19 @@ class LoopStats:
         return out
 
 
-def attempt_number(job_url: str, rank: int) -> int:
+def attempt_number(layout: JobLayout, rank: int) -> int:
     """The attempt number: ETT_ATTEMPT from the orchestrator, else one past this rank's
     previous trainer ledgers (each rank counts its own files, so all ranks agree)."""
     if ENV_ATTEMPT in os.environ:
         return int(os.environ[ENV_ATTEMPT])
-    return next_attempt(job_url, role="trainer", rank=rank)
+    return next_attempt(layout, role="trainer", rank=rank)
 
 
-def failure_history(promotion: dict[str, Any]) -> FailureHistory:
-    """The job's failures so far: from the promotion message, else the launch environment."""
-    failures = promotion.get("failures", os.environ.get(ENV_FAILURES, 0))
-    started = promotion.get("job_started_at", os.environ.get(ENV_JOB_STARTED))
-    return FailureHistory(int(failures), float(started) if started is not None else None)
+def failure_history(control: RankControl | None) -> FailureHistory:
+    """The job's failures so far and when it started, as the orchestrator wrote them in the
+    attempt's control folder (after a promotion: as of the promotion); none without one."""
+    state = control.job_state() if control is not None else JobState()
+    return FailureHistory(state.failures, state.started_at)
 
 
 def train_step(model: torch.nn.Module, optimizer: Any, batch: Batch, device: torch.device) -> float:
@@ -133,7 +131,7 @@ def run(config: JobConfig, control: RankControl | None = None) -> int:
     storage.configure(config.storage)
     rank = int(os.environ.get("RANK", "0"))
     try:
-        with trainer_lease(config.job_url, rank):  # one job id, one job (infra/lease.py)
+        with trainer_lease(config.layout, rank):  # one job id, one job (infra/lease.py)
             return _run_attempt(config, rank, control)
     except JobLocked as exc:
         log.error("%s", exc)
@@ -144,9 +142,9 @@ def run(config: JobConfig, control: RankControl | None = None) -> int:
 
 
 def _run_attempt(config: JobConfig, rank: int, control: RankControl | None) -> int:
-    recover_orphaned_spools(config.job_url)  # ledger events of killed attempts on this node
-    attempt = attempt_number(config.job_url, rank)
-    ledger = Ledger(config.job_url, attempt=attempt, rank=rank)
+    recover_orphaned_spools(config.layout)  # ledger events of killed attempts on this node
+    attempt = attempt_number(config.layout, rank)
+    ledger = Ledger(config.layout, attempt=attempt, rank=rank)
     ledger.mark(Mark.ATTEMPT_START, pid=os.getpid(), standby=bool(control and control.standby))
     preemption = Preemption()
     preemption.install()
@@ -185,9 +183,7 @@ def _train(
     checkpointer, faults = parts.checkpointer, parts.faults
     batches, pending = parts.batches, parts.first_batch
     report = control.report if control is not None and env.is_main else None
-    policy = IntervalPolicy(
-        config.checkpoint, config.train.steps, ledger, failure_history(parts.promotion)
-    )
+    policy = IntervalPolicy(config.checkpoint, config.train.steps, ledger, failure_history(control))
     restarter = InProcessRestart(config, env, ledger)
     eval_mode = config.train.eval
 
@@ -323,7 +319,7 @@ def _write_final_metrics(
     config: JobConfig, step: int, metrics: dict[str, float], loader_stats: dict[str, int]
 ) -> None:
     summary = {"step": step, **metrics, "loader": loader_stats}
-    url = storage.join(config.job_url, "final_metrics.json")
+    url = config.layout.final_metrics
     try:
         storage.write_text(url, json.dumps(summary, indent=2))
     except OSError as exc:  # a summary: never worth failing the job over

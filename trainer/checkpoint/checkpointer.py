@@ -57,24 +57,23 @@ from torch.distributed.checkpoint.staging import StagingOptions
 
 from infra import processes, storage
 from infra.accounting.ledger import Ledger
-from infra.control import scratch_dir
-from infra.settings import CheckpointMode, EvalMode, JobConfig, config_yaml
-from trainer.checkpoint.manifest import (
+from infra.checkpoint_manifest import (
     MANIFEST,
     CheckpointError,
     FileEntry,
     Manifest,
-    checkpoints_url,
     done_marker,
     failed_marker,
     rank_state_name,
     read_manifest,
-    sha256_file,
-    step_dir_name,
 )
+from infra.control import scratch_dir
+from infra.job_layout import step_dir_name
+from infra.settings import CheckpointMode, EvalMode, JobConfig, config_yaml
 from trainer.checkpoint.retention import purge_old
 from trainer.checkpoint.staging import ShardedStateStager, Staging
 from trainer.checkpoint.state import Stateful
+from trainer.checkpoint.verify import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +134,8 @@ class Checkpointer:
         self.ledger = ledger
         self.pg = process_group
         self.on_phase = on_phase
-        self.root = checkpoints_url(config.job_url)
-        self.remote = storage.local_path(self.root) is None
+        self.layout = config.layout
+        self.remote = storage.local_path(self.layout.checkpoints) is None
         remove_stale_spools(config.job_id, rank)
         self._spool: str | None = None  # made by the first save that needs it
         self._stager: ShardedStateStager | None = None
@@ -173,9 +172,6 @@ class Checkpointer:
             dist.broadcast_object_list(token, src=0, group=self.pg)
         return str(token[0])
 
-    def _step_url(self, step: int) -> str:
-        return storage.join(self.root, step_dir_name(step))
-
     def _refuse_if_committed(self, step: int) -> None:
         """Raise _AlreadyCommitted on every rank if the step's folder is committed on any
         rank's view (or cannot be checked): a committed folder is never written again.
@@ -183,7 +179,7 @@ class Checkpointer:
         unknown = 2  # storage would not say: this save fails on every rank
         error = ""
         try:
-            state = int(storage.exists(storage.join(self._step_url(step), MANIFEST)))
+            state = int(storage.exists(storage.join(self.layout.checkpoint(step), MANIFEST)))
         except OSError as exc:
             state, error = unknown, str(exc)
         if self.world_size > 1 and self.pg is not None:
@@ -241,7 +237,7 @@ class Checkpointer:
         if self.remote:
             path = os.path.join(self.spool, step_dir_name(step))
         else:
-            path = storage.local_path(self._step_url(step)) or ""
+            path = storage.local_path(self.layout.checkpoint(step)) or ""
         if create:
             os.makedirs(path, exist_ok=True)
         return path
@@ -344,7 +340,7 @@ class Checkpointer:
         # Tell rank 0 not to wait for this rank (may fail too, in an outage).
         with contextlib.suppress(OSError):
             storage.write_text(
-                storage.join(self._step_url(step), failed_marker(self.rank, nonce)), "{}"
+                storage.join(self.layout.checkpoint(step), failed_marker(self.rank, nonce)), "{}"
             )
 
     def _commit_thread(
@@ -458,7 +454,7 @@ class Checkpointer:
             return True
         if outcome != "done":  # failed
             return False
-        url = self._step_url(step)
+        url = self.layout.checkpoint(step)
         while time.monotonic() < deadline:
             try:
                 if storage.exists(storage.join(url, MANIFEST)):
@@ -480,7 +476,7 @@ class Checkpointer:
     ) -> None:
         """Finish the DCP write (``write``), upload, mark this rank done, commit (rank 0).
         Runs on the commit thread, except in sync mode."""
-        url = self._step_url(step)
+        url = self.layout.checkpoint(step)
         local_dir = self._local_dir(step, create=False)
         try:
             if write is not None:
@@ -554,7 +550,7 @@ class Checkpointer:
             train = self.config.train
             pending_eval = train.eval_every if train.eval == EvalMode.ASYNC else 0
             purge_old(
-                self.config.job_url,
+                self.layout,
                 self.config.checkpoint.keep_latest_k,
                 keep=url,
                 eval_every=pending_eval,

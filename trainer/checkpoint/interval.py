@@ -33,7 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from infra.accounting.ledger import Ledger, Mark
+from infra.accounting.ledger import Ledger
+from infra.accounting.ledger_format import Mark
 from infra.settings import CheckpointConfig, CheckpointMode
 from infra.whatif.advisor import young_interval
 

@@ -27,18 +27,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from infra import storage
-from infra.control import scratch_dir
-from infra.settings import CheckpointMode, JobConfig
-from trainer.checkpoint.manifest import (
+from infra.checkpoint_manifest import (
     CheckpointCorrupt,
     CheckpointError,
     CommittedCheckpoint,
     committed_checkpoints,
-    quarantine,
     rank_state_name,
     read_manifest,
-    verify_files,
 )
+from infra.control import scratch_dir
+from infra.settings import CheckpointMode, JobConfig
+from trainer.checkpoint.verify import quarantine, verify_files
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +134,7 @@ def candidates(config: JobConfig) -> list[CommittedCheckpoint]:
     if resume == "none" or config.checkpoint.mode == CheckpointMode.OFF:
         return []
     if resume == "latest":
-        return committed_checkpoints(config.job_url)
+        return committed_checkpoints(config.layout)
     return [CommittedCheckpoint(resume, read_manifest(resume))]
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 
 from infra import storage
-from trainer.checkpoint.manifest import MANIFEST, checkpoints_url, committed_checkpoints
+from infra.checkpoint_manifest import MANIFEST, committed_checkpoints
+from infra.job_layout import JobLayout
 
 log = logging.getLogger(__name__)
 
@@ -23,12 +24,12 @@ EVAL_BACKLOG = 3  # eval-step checkpoints kept for the side evaluator (newest fi
 
 
 def purge_old(
-    job_url: str, keep_latest_k: int, keep: str | None = None, eval_every: int = 0
+    layout: JobLayout, keep_latest_k: int, keep: str | None = None, eval_every: int = 0
 ) -> list[str]:
     """Delete committed checkpoints beyond the newest ``keep_latest_k`` (anchors, ``keep``
     and, when ``eval_every`` > 0, the newest ``EVAL_BACKLOG`` eval-step ones kept) and
     uncommitted folders older than the newest commit. Returns the deleted URLs."""
-    committed = committed_checkpoints(job_url)
+    committed = committed_checkpoints(layout)
     if not committed:
         return []
     keep = keep.rstrip("/") if keep else None
@@ -42,7 +43,7 @@ def purge_old(
     # Uncommitted folders below this step are debris; above it one may be in flight.
     newest = next((c.step for c in committed if c.url.rstrip("/") == (keep or "")), None)
     newest = committed[0].step if newest is None else newest
-    root = checkpoints_url(job_url)
+    root = layout.checkpoints
     for name in storage.listdir(root):
         url = storage.join(root, name)
         if (
@@ -61,10 +62,10 @@ def purge_old(
     return doomed
 
 
-def purge_uncommitted(job_url: str) -> list[str]:
+def purge_uncommitted(layout: JobLayout) -> list[str]:
     """At the start of an attempt nothing is in flight: every folder without a manifest is
     debris of a crashed attempt and would confuse a new save of the same step."""
-    root = checkpoints_url(job_url)
+    root = layout.checkpoints
     doomed = [
         storage.join(root, name)
         for name in storage.listdir(root)

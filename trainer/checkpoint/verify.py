@@ -1,8 +1,9 @@
 """Checkpoint verification and quarantine: every file's size and SHA-256 against the manifest,
 and a corrupt checkpoint moved out of the committed ones.
 
-The layout, the manifest format and the list of committed checkpoints live in
-infra/checkpoint_manifest.py (the orchestrator reads them too); they are re-exported here.
+The manifest format and the list of committed checkpoints live in
+infra/checkpoint_manifest.py (the orchestrator reads them too), the paths in
+infra/job_layout.py.
 """
 
 from __future__ import annotations
@@ -15,51 +16,9 @@ import time
 import uuid
 
 from infra import storage
-from infra.checkpoint_manifest import (
-    FORMAT_VERSION,
-    MANIFEST,
-    QUARANTINE,
-    CheckpointCorrupt,
-    CheckpointError,
-    CommittedCheckpoint,
-    FileEntry,
-    Manifest,
-    checkpoints_url,
-    committed_checkpoints,
-    done_marker,
-    failed_marker,
-    library_versions,
-    rank_state_name,
-    read_manifest,
-    step_dir_name,
-    step_url,
-)
+from infra.checkpoint_manifest import MANIFEST, QUARANTINE, CheckpointCorrupt, Manifest
 
 log = logging.getLogger(__name__)
-
-__all__ = [
-    "FORMAT_VERSION",
-    "MANIFEST",
-    "QUARANTINE",
-    "CheckpointCorrupt",
-    "CheckpointError",
-    "CommittedCheckpoint",
-    "FileEntry",
-    "Manifest",
-    "checkpoints_url",
-    "committed_checkpoints",
-    "done_marker",
-    "failed_marker",
-    "library_versions",
-    "quarantine",
-    "rank_state_name",
-    "read_manifest",
-    "sha256_file",
-    "sha256_url",
-    "step_dir_name",
-    "step_url",
-    "verify_files",
-]
 
 
 def sha256_file(path: str, chunk: int = 8 << 20) -> str:
