@@ -95,15 +95,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="N daily windows dt=YYYY-MM-DD up to today, as the retrain flow reads them",
     )
     p = add("train", cmd_train, "run a training job under torchrun, with retries (no Prefect)")
-    p.add_argument("--nproc", type=positive_int, default=1, help="processes (ranks) per node")
-    p.add_argument("--nnodes", type=positive_int, default=1, help="nodes, each a torchrun agent")
-    p.add_argument("--max-failures", type=int, default=3, help="failures survived")
-    p.add_argument("--backoff-s", type=float, default=10.0, help="wait when a failure repeats")
-    p.add_argument("--hang-timeout-s", type=positive, default=600.0, help="no step this long")
+    # Each sets one config field (flows/commands.py TRAIN_FLAGS); not given, the config's.
+    for flag, kind, field, what in (
+        ("--nproc", positive_int, "launch.nproc", "processes (ranks) per node"),
+        ("--nnodes", positive_int, "launch.nnodes", "nodes, each a torchrun agent"),
+        ("--max-failures", int, "recovery.max_failures", "failures survived"),
+        ("--backoff-s", float, "recovery.backoff_s", "wait when a failure repeats"),
+        ("--hang-timeout-s", positive, "recovery.hang_timeout_s", "no step this long: hung"),
+    ):
+        p.add_argument(flag, type=kind, help=f"{what} (sets {field})")
     p = add(
         "pool",
         cmd_pool,
-        "keep trainer agents imported and parked, so jobs start warm (ETT_AGENT_POOL)",
+        "keep trainer agents imported and parked, so jobs start warm (ETT_LAUNCH__AGENT_POOL)",
         False,
     )
     p.add_argument("--socket", help="unix socket to listen on (default: a per-user path)")

@@ -11,10 +11,13 @@ import argparse
 import os
 import signal
 import sys
-import tempfile
+from typing import TYPE_CHECKING, Any
 
 from infra.exit_codes import ExitCode
-from infra.settings import JobConfig, dump_config, load_config
+from infra.settings import JobConfig, load_config
+
+if TYPE_CHECKING:
+    from infra.job_layout import JobLayout
 
 
 class UserError(Exception):
@@ -84,40 +87,43 @@ class _Stop:
         return 128 + (self.signum or signal.SIGINT)
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    """A job without Prefect: the same attempts, standby, retries and hang detection as the
-    ``train`` flow; exits with the last attempt's code (0 once the job succeeded). What the
-    config names is checked first (infra/preflight.py): a mistake there is exit 2 before
-    torchrun starts. SIGINT (Ctrl-C) exits 130 and SIGTERM 143, after the running attempt's
-    emergency checkpoint."""
-    from infra import storage
-    from infra.accounting.ledger import next_attempt
-    from infra.lease import JobLocked
-    from infra.preflight import PreflightError, preflight
-    from tasks.attempts import LaunchSpec, RetryPolicy
-    from tasks.job import run_job, timeouts_for
+# ``ett train``'s flags and the config fields they set (as overrides: ETT_* still wins).
+TRAIN_FLAGS = {
+    "nproc": ("launch", "nproc"),
+    "nnodes": ("launch", "nnodes"),
+    "max_failures": ("recovery", "max_failures"),
+    "backoff_s": ("recovery", "backoff_s"),
+    "hang_timeout_s": ("recovery", "hang_timeout_s"),
+}
 
-    config = _config(args)
-    storage.configure(config.storage)
+
+def train_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The config sections that ``ett train``'s flags set; a flag not given sets nothing."""
+    out: dict[str, dict[str, Any]] = {}
+    for flag, (section, field) in TRAIN_FLAGS.items():
+        if (value := getattr(args, flag, None)) is not None:
+            out.setdefault(section, {})[field] = value
+    return out
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """A job without Prefect: the same orchestrator as the ``train`` flow (attempts, standby,
+    retries, hang detection); exits with the last attempt's code (0 once the job succeeded).
+    What the config names is checked first (infra/preflight.py): a mistake there is exit 2
+    before torchrun starts. SIGINT (Ctrl-C) exits 130 and SIGTERM 143, after the running
+    attempt's emergency checkpoint."""
+    from infra.lease import JobLocked
+    from infra.preflight import PreflightError
+    from tasks.orchestrator import plan_job, run
+
     try:
-        preflight(config)
+        config = plan_job(getattr(args, "config", None), train_overrides(args))
     except PreflightError as exc:
         raise UserError(str(exc)) from None
-    policy = RetryPolicy(max_failures=args.max_failures, backoff_s=args.backoff_s)
     stop = _Stop()
     stop.install()
     try:
-        with tempfile.TemporaryDirectory(prefix=f"ett-{config.job_id}-") as tmp:
-            path = os.path.join(tmp, "job.yaml")
-            dump_config(config, path)
-            spec = LaunchSpec(path, nproc=args.nproc, nnodes=args.nnodes)
-            outcome = run_job(
-                config,
-                spec,
-                policy,
-                timeouts_for(config, args.hang_timeout_s),
-                next_attempt(config.job_url),
-            )
+        outcome = run(config).outcome
         print(outcome.message)
     except KeyboardInterrupt:
         print("stopped: the running attempt was preempted", file=sys.stderr)
@@ -130,7 +136,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_pool(args: argparse.Namespace) -> int:
     """Keep trainer agents parked until stopped (SIGTERM, Ctrl-C); orchestrators whose
-    environment has ETT_AGENT_POOL=<socket> claim them instead of starting cold."""
+    environment has ETT_LAUNCH__AGENT_POOL=<socket> claim them instead of starting cold."""
     from infra.agent_protocol import ENV_POOL, socket_path_default
     from tasks.agent_pool import AgentPool
 
@@ -151,53 +157,58 @@ def cmd_pool(args: argparse.Namespace) -> int:
     return 0
 
 
-def _job_url(args: argparse.Namespace, config: JobConfig) -> str:
-    """The job's URL; UserError naming the jobs that exist when it has no ledger."""
+def _layout(args: argparse.Namespace, config: JobConfig) -> JobLayout:
+    """The job ``args.job`` names (an id under the config's storage root, or a URL);
+    UserError naming the jobs that exist when it has no ledger."""
     from infra import storage
-    from infra.accounting.ledger import ledger_url
+    from infra.job_layout import JobLayout
 
     storage.configure(config.storage)
-    jobs_root = storage.join(config.storage.root, "jobs")
-    job_url = args.job if "://" in args.job else storage.join(jobs_root, args.job)
-    if storage.glob(storage.join(ledger_url(job_url), "*.jsonl")):
-        return job_url
-    known = storage.listdir(jobs_root) if "://" not in args.job else []
+    here = config.layout
+    layout = (
+        JobLayout.at(args.job)
+        if "://" in args.job
+        else JobLayout.for_job(here.root, args.job, here.compile_cache_url)
+    )
+    if storage.glob(storage.join(layout.ledger, "*.jsonl")):
+        return layout
+    known = storage.listdir(here.jobs) if "://" not in args.job else []
     hint = f"; jobs there: {', '.join(known[-10:])}" if known else ""
-    raise UserError(f"no ledger for job {args.job!r} at {job_url}{hint}")
+    raise UserError(f"no ledger for job {args.job!r} at {layout.url}{hint}")
 
 
-def _config_at(config: JobConfig, job_url: str) -> JobConfig:
-    """``config`` for the job whose folder is ``job_url`` (``<root>/jobs/<job id>``), so
-    what is logged names the ledger that was read; UserError for a URL of another shape."""
-    root, sep, job_id = job_url.rstrip("/").rpartition("/jobs/")
-    if not sep or not job_id or "/" in job_id:
-        raise UserError(f"--log needs a job folder <storage root>/jobs/<job id>, not {job_url}")
-    storage = config.storage.model_copy(update={"root": root})
-    return config.model_copy(update={"job_id": job_id, "storage": storage})
+def _config_at(config: JobConfig, layout: JobLayout) -> JobConfig:
+    """``config`` for the job ``layout`` names, so what is logged names the ledger that was
+    read; UserError for a folder that is not ``<storage root>/jobs/<job id>``."""
+    from infra.job_layout import JobLayout
+
+    if JobLayout.for_job(layout.root, layout.job_id).url != layout.url:
+        raise UserError(f"--log needs a job folder <storage root>/jobs/<job id>, not {layout.url}")
+    storage = config.storage.model_copy(update={"root": layout.root})
+    return config.model_copy(update={"job_id": layout.job_id, "storage": storage})
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from infra import tables
-    from infra.accounting.ett import report_for_job
-    from infra.accounting.mfu import mfu_for_job
     from infra.accounting.report import plot_breakdown, sections
+    from infra.accounting.summary import JobSummary
 
     config = _config(args)
-    job_url = _job_url(args, config)
-    report = report_for_job(job_url)
-    tables.show(sections(report, mfu_for_job(job_url, report)))
+    layout = _layout(args, config)
+    summary = JobSummary.read(layout)
+    tables.show(sections(summary.report, summary.mfu))
     if args.plot:
-        print(f"wall-time breakdown: {plot_breakdown(report, args.plot)}")
+        print(f"wall-time breakdown: {plot_breakdown(summary.report, args.plot)}")
     if args.log:
         from mlflow.exceptions import MlflowException
 
         from infra.tracking import mlflow_runs
         from infra.tracking.run_metadata import redact_url
 
-        job = _config_at(config, job_url)
+        job = _config_at(config, layout)
         where = redact_url(config.tracking.mlflow_uri)
         try:
-            run_id, _ = mlflow_runs.log_job(job)
+            run_id, _ = mlflow_runs.log_job(job, summary)
         except MlflowException as exc:
             print(
                 f"error: could not log {job.job_id} to MLflow at {where}: {exc.message}",
@@ -266,6 +277,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Validate measured jobs against the model, then project them to many GPUs."""
     from infra import storage
+    from infra.job_layout import JobLayout
     from infra.tables import show
     from infra.whatif.scaling import ScalingLaws
     from infra.whatif.simulate_report import run_simulate, tables, write_outputs
@@ -274,8 +286,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     storage.configure(config.storage)
     named = [("baseline", args.baseline), ("optimized", args.optimized)]
     named += [(args.job.rstrip("/").rsplit("/", 1)[-1], args.job)] if args.job else []
+    here = config.layout
     jobs = {
-        label: job if "://" in job else storage.join(config.storage.root, "jobs", job)
+        label: JobLayout.at(job) if "://" in job else JobLayout.for_job(here.root, job)
         for label, job in named
         if job
     }

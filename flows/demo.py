@@ -127,10 +127,11 @@ def run_demo(steps: int | None = None, nproc: int = 1, config: str | None = None
     from flows.publish_flow import publish_flow
     from flows.train_flow import train_flow
     from infra import progress_bars, storage, tables
-    from infra.accounting.ett import report_for_job
     from infra.accounting.report import sections
+    from infra.accounting.summary import JobSummary
+    from infra.job_layout import JobLayout
     from infra.settings import dump_config, load_config
-    from tasks.train import ensure_data
+    from tasks.training import ensure_data
 
     base = load_config(config)
     steps = steps or base.train.steps
@@ -153,14 +154,14 @@ def run_demo(steps: int | None = None, nproc: int = 1, config: str | None = None
             flush=True,
         )
         t1 = time.monotonic()
-        state = train_flow(
-            config=config,
-            overrides={"job_id": job_id, "train": {"steps": steps}},
-            nproc=nproc,
-            backoff_s=DEFAULT_BACKOFF_S,
-            faults=[fault],
-            return_state=True,
-        )
+        overrides = {
+            "job_id": job_id,
+            "train": {"steps": steps},
+            "launch": {"nproc": nproc},
+            "recovery": {"backoff_s": DEFAULT_BACKOFF_S},
+            "faults": [fault],
+        }
+        state = train_flow(config=config, overrides=overrides, return_state=True)
         result: dict[str, Any] = state.result()
         t_train = time.monotonic() - t1
 
@@ -198,9 +199,9 @@ def run_demo(steps: int | None = None, nproc: int = 1, config: str | None = None
         t_publish = time.monotonic() - t2
 
         stage("report")
-        report = report_for_job(result["job_url"])
+        summary = JobSummary.read(JobLayout.at(result["job_url"]))
     print(f"\n== ETT report of job {job_id} ==\n")
-    tables.show(sections(report))
+    tables.show(sections(summary.report, summary.mfu))
     print(f"attempts: {'; '.join(result['attempts'])}")
     if published:
         aliases = ", ".join(published.get("aliases") or []) or "none"

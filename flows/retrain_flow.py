@@ -100,22 +100,31 @@ def _nothing_to_do(message: str, **result: Any) -> State:
     return Completed(message=message, data={"trained": False, "message": message, **result})
 
 
+def _merged(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``, section by section."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 @flow(name="retrain", flow_run_name=retrain_run_name, log_prints=True)
 def retrain_flow(
     config: str | None = None,
+    overrides: dict[str, Any] | None = None,
     data_root: str = daily_windows.DEFAULT_ROOT,
     job_prefix: str | None = None,
-    nproc: int = 1,
-    max_failures: int = 3,
-    backoff_s: float = 10.0,
-    hang_timeout_s: float = 600.0,
-    faults: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any] | State:
     """Train on the newest window of ``data_root``, warm-started from the champion.
 
-    ``job_prefix`` defaults to the config's job id; the job is ``<prefix>-<date>``. Without
-    a new window the run ends Completed with a message (``trained: False``)."""
-    base = load_config(config)
+    ``config`` and ``overrides`` are the ``train`` flow's (``launch``, ``recovery``, any
+    section); the window's job id, data URL and warm start are set over them. ``job_prefix``
+    defaults to the config's job id; the job is ``<prefix>-<date>``. Without a new window the
+    run ends Completed with a message (``trained: False``)."""
+    base = load_config(config, **(overrides or {}))
     storage.configure(base.storage)
     window = latest_window(data_root)
     if window is None:
@@ -124,7 +133,7 @@ def retrain_flow(
             "(write synthetic ones with `ett generate --daily N`)"
         )
     job_id = f"{job_prefix or base.job_id}-{window.date}"
-    anchor = find_anchor(base.model_copy(update={"job_id": job_id}).job_url)
+    anchor = find_anchor(base.model_copy(update={"job_id": job_id}).layout)
     if anchor is not None:
         return _nothing_to_do(
             f"no new window: the newest, {window.date}, was trained already by job {job_id} "
@@ -133,24 +142,16 @@ def retrain_flow(
             job_id=job_id,
         )
     warm = champion_anchor(base.tracking.mlflow_uri, base.tracking.registered_model)
-    overrides: dict[str, Any] = {"job_id": job_id, "data": {"url": window.url}}
+    window_overrides: dict[str, Any] = {"job_id": job_id, "data": {"url": window.url}}
     if warm is not None:
-        overrides["checkpoint"] = {"warm_start": warm}
+        window_overrides["checkpoint"] = {"warm_start": warm}
     logger().info(
         "retraining %s on %s (%s)",
-        overrides["job_id"],
+        job_id,
         window.url,
         f"warm from {warm}" if warm else "cold start",
     )
-    result = train_flow(
-        config=config,
-        overrides=overrides,
-        nproc=nproc,
-        max_failures=max_failures,
-        backoff_s=backoff_s,
-        hang_timeout_s=hang_timeout_s,
-        faults=faults,
-    )
+    result = train_flow(config=config, overrides=_merged(overrides or {}, window_overrides))
     return {
         **result,
         "trained": True,

@@ -12,7 +12,7 @@ is released when the pool stops. A claimed agent is the claiming orchestrator's,
 like a launcher it started: its ranks watch that orchestrator's control pipes, the
 orchestrator ends its tree, and it keeps running if the pool stops.
 
-**Claiming** (``claim``, used by tasks/attempts.py when ``ETT_AGENT_POOL`` names the pool's
+**Claiming** (``claim``, used by tasks/attempt.py when ``ETT_LAUNCH__AGENT_POOL`` names the pool's
 socket): the orchestrator sends the launch command, its environment and working folder, and
 the write ends of two pipes (output, exit status); it gets back a ``PooledLauncher`` that
 stands in for the ``subprocess.Popen`` it would otherwise hold. A pool that is missing, busy

@@ -14,7 +14,7 @@ from prefect import task
 from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from infra.accounting.ett import report_for_job
+from infra.accounting.summary import JobSummary
 from infra.tracking.run_metadata import redact_url
 from tasks.logs import logger
 from tasks.report import artifact_key
@@ -48,9 +48,9 @@ def mlflow_model_version_url(tracking_uri: str, name: str, version: str) -> str 
 
 
 @task(name="ett-table-artifact", cache_policy=NO_CACHE, timeout_seconds=IO_TIMEOUT_S)
-def ett_table_artifact(job_url: str, job_id: str) -> str:
+def ett_table_artifact(summary: JobSummary) -> str:
     """The job's wall-time buckets (seconds, % of W) as a Prefect table artifact."""
-    report = report_for_job(job_url)
+    report, job_id = summary.report, summary.layout.job_id
     pct = report.bucket_pct()
     rows = [
         {"bucket": bucket, "seconds": round(secs, 3), "% of wall time": round(pct[bucket], 2)}
@@ -103,11 +103,12 @@ def mlflow_model_link(tracking_uri: str, name: str, version: str, job_id: str) -
     return url
 
 
-def show_job(job_url: str, job_id: str, run_id: str | None, tracking_uri: str) -> None:
+def show_job(summary: JobSummary, run_id: str | None, tracking_uri: str) -> None:
     """The ETT table and the MLflow link of a finished (or failed) job; never raises."""
     log = logger()
+    job_id = summary.layout.job_id
     try:
-        ett_table_artifact(job_url, job_id)
+        ett_table_artifact(summary)
     except Exception as exc:  # noqa: BLE001 - a missing artifact must not fail the job
         log.warning("no ETT table artifact for %s: %s", job_id, exc)
     if run_id is None:

@@ -16,6 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 
 from infra.checkpoint_manifest import committed_checkpoints
+from infra.job_layout import JobLayout
 from tasks.logs import logger
 
 ANCHOR_EVENT = "ett.checkpoint.anchor.committed"
@@ -29,13 +30,13 @@ class Anchor:
     committed_at: float  # the manifest's creation time (Unix seconds)
 
 
-def find_anchor(job_url: str) -> Anchor | None:
+def find_anchor(layout: JobLayout) -> Anchor | None:
     """The job's newest committed checkpoint whose manifest says ``anchor``, or None.
 
     Read from the manifests, the commit itself, not from the ledger: the ledger is
     accounting, and a ledger that could not be stored must not lose a trained model.
     """
-    for ckpt in committed_checkpoints(job_url):  # newest first
+    for ckpt in committed_checkpoints(layout):  # newest first
         if ckpt.manifest.anchor:
             return Anchor(uri=ckpt.url, step=ckpt.step, committed_at=ckpt.manifest.created)
     return None

@@ -19,11 +19,11 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from infra.accounting.ett import EttReport, report_for_job
-from infra.accounting.report import format_table, to_markdown
+from infra.accounting.report import to_markdown
+from infra.accounting.summary import JobSummary
 from infra.settings import JobConfig
 from infra.tracking import mlflow_runs
-from tasks.attempts import AttemptReport
+from tasks.attempt import AttemptReport
 from tasks.logs import logger
 
 # How long the end of a flow waits for attempt logs still in flight (each call is bounded by
@@ -75,28 +75,28 @@ def _drain_pending(timeout_s: float = PENDING_WAIT_S) -> None:
     _pending[:] = list(late)
 
 
-# A timeout is a missing report (train_flow runs it with return_state), not a failed job.
+# A timeout is a missing report (the flow goes on without it), not a failed job.
 @task(name="ett-report", cache_policy=NO_CACHE, timeout_seconds=600)
 def report_job(
     config: JobConfig,
+    summary: JobSummary,
     run_id: str | None,
     extra_metrics: dict[str, float] | None = None,
     succeeded: bool = True,
 ) -> dict[str, Any]:
-    """Compute the job's ETT report from its ledger, publish it as a Prefect markdown artifact,
-    log the job to MLflow (its run ends), and return its headline numbers and run id."""
+    """Publish the job's ETT report as a Prefect markdown artifact, log the job to MLflow
+    (its run ends), and return its headline numbers and run id."""
     log = logger()
-    report: EttReport = report_for_job(config.job_url)
-    log.info("ETT report of %s:\n%s", config.job_id, format_table(report))
+    report = summary.report
     create_markdown_artifact(
-        markdown=to_markdown(report),
+        markdown=to_markdown(report, summary.mfu),
         key=artifact_key("ett", config.job_id),
         description=f"ETT breakdown of job {config.job_id}: {report.ett_pct:.1f}% effective",
     )
     _drain_pending()
     try:
         run_id, _ = mlflow_runs.log_job(
-            config, run_id, succeeded=succeeded, extra_metrics=extra_metrics
+            config, summary, run_id, succeeded=succeeded, extra_metrics=extra_metrics
         )
     except Exception as exc:  # noqa: BLE001 - the ledger keeps everything for later
         log.warning(

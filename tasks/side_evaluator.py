@@ -14,7 +14,7 @@ import sys
 import time
 
 from infra import processes
-from tasks.attempts import Log, OutputPump
+from tasks.attempt import Log, OutputPump
 
 
 class SideEvaluator:

@@ -1,0 +1,461 @@
+"""A training job from its config to its summary: attempts, retries, the warm standby and the
+side evaluator, and every process ended. No Prefect here: ``ett train`` runs ``run`` and the
+``train`` flow runs the same ``Orchestrator``, watching each attempt in a task run of its own::
+
+    config = plan_job(path, overrides)             # resolved, checked before anything starts
+    with Orchestrator(config, observer) as job:    # the lease, the ranks' config, attempt 0
+        for attempt in job:                        # until success, a fatal failure, no budget
+            job.watch(attempt)                     # to its end: classified, in the ledger
+    job.result                                     # the outcome, and the ledger read once
+
+**Retry policy** (``recovery`` section). Preemptions and the first failure of a kind relaunch
+at once; the same kind failing again waits ``backoff_s``, doubling per repeat up to
+``backoff_max_s`` (a failure that keeps coming back is not retried in a tight loop).
+Preemptions do not count towards ``max_failures``. Fatal outcomes (bad config or data, an
+incompatible checkpoint, a job id in use) stop the job: a relaunch cannot fix them.
+
+**Warm standby** (``recovery.standby``). Once an attempt has made its first step, the next one
+is spawned as a standby: it initialises (imports, process group, model, compile cache and
+warm-up), parks on its control pipe and costs no CPU. When the running attempt fails, the
+standby is promoted (it restores the newest committed checkpoint and trains) and a new one
+starts behind it once the promoted attempt steps. A standby never needed is released. One
+that dies while it waits is marked ``standby_lost`` in the ledger (never the job's startup or
+failure) and another is started behind it; after ``MAX_STANDBY_LOSSES`` in a row the job goes
+on without one. **Attempt numbers are never reused**: every launch, cold or standby, takes the
+next one, so one attempt's ledger files hold one process group's events.
+
+The job's lease (infra/lease.py) is held for the whole job, so a second job with the same
+job id refuses to start. Every process started here is ended here: on success, failure,
+cancellation or interruption (the running attempt is then preempted, with the grace to
+checkpoint), or an exception. The side evaluator (``train.eval: async``) starts once the job
+trains and its standby parked, so it does not compete with their start for the CPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from types import TracebackType
+from typing import Any
+
+from infra import storage
+from infra.accounting import clocks
+from infra.accounting.ledger import Ledger, next_attempt, recover_orphaned_spools
+from infra.accounting.ledger_format import Mark, Span
+from infra.accounting.ledger_read import domains_ahead
+from infra.accounting.summary import JobSummary
+from infra.control import JobState, Phase, Progress
+from infra.exit_codes import Outcome, name_of, outcome_of
+from infra.lease import JobLease, acquire_job_lease
+from infra.preflight import preflight
+from infra.settings import (
+    CheckpointMode,
+    EvalMode,
+    JobConfig,
+    RecoveryConfig,
+    dump_config,
+    load_config,
+)
+from tasks.attempt import AttemptProcess, AttemptReport, LaunchSpec, Log, Timeouts, watch
+from tasks.side_evaluator import SideEvaluator
+
+MAX_STANDBY_LOSSES = 3  # standbys lost in a row before the job goes on without one
+EVAL_FINISH_TIMEOUT_S = 300.0  # after training, for the side evaluator to evaluate the anchor
+
+
+def plan_job(config: str | None = None, overrides: dict[str, Any] | None = None) -> JobConfig:
+    """The job's config, resolved (embedded defaults < file < ``overrides`` < ETT_*
+    environment) and checked against the world before anything starts (infra/preflight.py):
+    ConfigError or PreflightError, each one line naming the field."""
+    job = load_config(config, **(overrides or {}))
+    storage.configure(job.storage)
+    preflight(job)
+    return job
+
+
+def backoff_s(recovery: RecoveryConfig, outcome: Outcome, repeats: int) -> float:
+    """The wait before relaunching after ``outcome``, the ``repeats``-th time in a row."""
+    if outcome == Outcome.PREEMPTED or repeats < 1 or recovery.backoff_s <= 0:
+        return 0.0
+    return min(recovery.backoff_s * 2 ** (repeats - 1), recovery.backoff_max_s)
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    succeeded: bool
+    message: str
+    attempts: tuple[AttemptReport, ...]
+
+    @property
+    def failures(self) -> int:
+        return sum(1 for a in self.attempts if a.outcome.counts_as_failure)
+
+    @property
+    def preemptions(self) -> int:
+        return sum(1 for a in self.attempts if a.outcome == Outcome.PREEMPTED)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "succeeded": self.succeeded,
+            "message": self.message,
+            "attempts": [asdict(a) for a in self.attempts],
+        }
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """How a job ended, and its summary (None when its ledger could not be read)."""
+
+    outcome: JobOutcome
+    summary: JobSummary | None
+
+
+class JobObserver:
+    """What a caller sees of a running job; every method is optional. The orchestrator calls
+    them from the thread that watches the attempt."""
+
+    def progress(self, progress: Progress) -> None:
+        """Rank 0 reported a new step or phase."""
+
+    def attempt_ended(self, report: AttemptReport) -> None:
+        """An attempt is over and classified."""
+
+    def job_ended(self, result: JobResult) -> None:
+        """The job is over: every process ended, its ledger read."""
+
+
+class Orchestrator:
+    """One job's attempts, from the first to its outcome (the module docstring)."""
+
+    def __init__(
+        self,
+        config: JobConfig,
+        observer: JobObserver | None = None,
+        log: Log | None = None,
+        scheduling: tuple[float, float] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        **launch_seams: Any,
+    ) -> None:
+        self.config, self.layout = config, config.layout
+        self.observer = observer or JobObserver()
+        self.log: Log = log or logging.getLogger("ett.orchestrator")
+        self.scheduling = scheduling  # the flow run's expected -> actual start
+        self.sleep = sleep
+        self.timeouts = Timeouts.of(config)
+        self._launch_seams = launch_seams  # env, launcher, program: tests
+        self.started_at = clocks.wall()
+        self.result: JobResult | None = None
+        self._reports: list[AttemptReport] = []
+        self._outcome: JobOutcome | None = None
+        self._current: AttemptProcess | None = None
+        self._standby: AttemptProcess | None = None
+        self._standby_losses = 0  # in a row, since a standby was last promoted
+        self._last_lost: tuple[int, float] | None = None  # the last standby lost, and when
+        self._failures = self._recovered_in_process = 0
+        self._settled = False
+        self._lease: JobLease | None = None
+        self._folder: str | None = None  # the ranks' config, a temp folder of this process
+        self._clock_attrs: dict[str, object] = {}  # for the first orchestrator ledger file
+        async_eval = config.train.eval == EvalMode.ASYNC
+        self._async_eval = async_eval and config.checkpoint.mode != CheckpointMode.OFF
+
+    # -- the job's life -------------------------------------------------------------------
+    def __enter__(self) -> Orchestrator:
+        """Take the job's lease, hand the ranks the resolved config, launch attempt 0 (or the
+        next number of a job run before). Raises JobLocked while another job holds the id."""
+        self.first_attempt = next_attempt(self.layout)
+        self._numbers = itertools.count(self.first_attempt)
+        if self.first_attempt:
+            self.log.info(
+                "job %s has %d earlier attempt(s): continuing its numbering",
+                self.config.job_id,
+                self.first_attempt,
+            )
+        self._lease = acquire_job_lease(self.layout)
+        try:
+            self._folder = tempfile.mkdtemp(prefix=f"ett-{self.config.job_id}-")
+            path = os.path.join(self._folder, "job.yaml")
+            dump_config(self.config, path)
+            self.spec = LaunchSpec.of(self.config, path, **self._launch_seams)
+            self.evaluator = SideEvaluator(path, self.log)
+            if self.first_attempt:
+                self._measure_clocks()
+            self._current = self._spawn(standby=False)
+        except BaseException:
+            self._cleanup()
+            raise
+        return self
+
+    def __iter__(self) -> Iterator[AttemptProcess]:
+        """Each attempt to watch, in turn, until the job's outcome is decided."""
+        while self._current is not None and self._outcome is None:
+            attempt = self._current
+            yield attempt
+            if not self._reports or self._reports[-1].attempt != attempt.number:
+                raise RuntimeError(f"attempt {attempt.number} was not watched to its end")
+            attempt.end(self.timeouts.grace_s, preempt=False)  # what is left of it
+            self._outcome = self._decide(self._reports[-1])
+            if self._outcome is None:
+                self._current = self._next(self._reports[-1])
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """End every process; then read the ledger once for the summary."""
+        if exc is not None and self._current is not None:  # cancelled, interrupted: it saves
+            self._current.end(self.timeouts.grace_s, preempt=True)
+        outcome = self._outcome
+        if outcome is None:
+            why = f"stopped: {type(exc).__name__}" if exc is not None else "stopped"
+            outcome = JobOutcome(False, why, tuple(self._reports))
+        if outcome.succeeded and self._async_eval:
+            self.evaluator.finish(EVAL_FINISH_TIMEOUT_S)
+        self._cleanup()
+        summary = None
+        try:
+            summary = JobSummary.read(self.layout)
+        except Exception as exc_:  # noqa: BLE001 - the outcome stands without its report
+            self.log.warning("no ETT report for job %s: %s", self.config.job_id, exc_)
+        self.result = JobResult(outcome, summary)
+        try:
+            self.observer.job_ended(self.result)
+        except Exception as exc_:  # noqa: BLE001 - showing the job must not lose its result
+            self.log.warning("could not show the end of job %s: %s", self.config.job_id, exc_)
+
+    def _cleanup(self) -> None:
+        """Standby released, the running attempt ended, the evaluator stopped, the lease
+        released and the ranks' config removed, whatever fails on the way."""
+        try:
+            self.release_standby()
+            if self._current is not None:
+                self._current.end(self.timeouts.grace_s, preempt=False)
+        finally:
+            if hasattr(self, "evaluator"):
+                self.evaluator.stop()
+            if self._lease is not None:
+                self._lease.release()
+            if self._folder is not None:
+                shutil.rmtree(self._folder, ignore_errors=True)
+
+    # -- one attempt ------------------------------------------------------------------------
+    def watch(self, attempt: AttemptProcess) -> AttemptReport:
+        """Watch one attempt to its end, classify it, and write the orchestrator's share of
+        the ledger (its launch, its failure). The flow calls it inside a task run."""
+        first = attempt.number == self.first_attempt
+        ledger = Ledger(
+            self.layout,
+            attempt=attempt.number,
+            rank=0,
+            role="orchestrator",
+            clock_attrs=self._clock_attrs if first else None,
+        )
+        try:
+            if self.scheduling is not None and first:
+                ledger.record_span(Span.SCHEDULING, *self.scheduling)
+            code, hung, last = watch(attempt, self.timeouts, lambda p: self._progress(p))
+            ended = clocks.wall()
+            if code:  # its ranks' unsent ledger events wait in their spools on this node
+                recover_orphaned_spools(self.layout)
+            started = attempt.promoted_at or attempt.spawned
+            reached = last.started if last is not None else None
+            if attempt.promoted_at is None:  # a cold start: launcher and imports until the trainer
+                ledger.record_span(
+                    Span.LAUNCHER_INIT,
+                    attempt.spawned,
+                    reached if reached is not None else ended,
+                    reached_trainer=reached is not None,
+                    pooled=attempt.pooled,
+                )
+            outcome = Outcome.HANG if hung else outcome_of(code)
+            report = AttemptReport(
+                attempt=attempt.number,
+                outcome=outcome,
+                exit_code=code,
+                started=started,
+                ended=ended,
+                last_step=last.step if last is not None and last.phase != Phase.INIT else None,
+                total_steps=last.total if last is not None and last.total else None,
+                from_standby=attempt.promoted_at is not None,
+                reached_trainer_s=None if reached is None else max(reached - started, 0.0),
+                restarts_in_process=last.restarts if last is not None else 0,
+            )
+            if report.failed:
+                ledger.mark(
+                    Mark.FAILURE, step=report.last_step, t=ended, cause=str(outcome), exit_code=code
+                )
+        except BaseException:  # cancelled (Prefect's TerminationSignal), interrupted
+            ledger.mark(Mark.FAILURE, cause=str(Outcome.CANCELLED), exit_code=None)
+            raise
+        finally:
+            ledger.close()
+        self._reports.append(report)
+        self._recovered_in_process += report.restarts_in_process
+        self.observer.attempt_ended(report)
+        return report
+
+    def _progress(self, progress: Progress) -> None:
+        self._check_standby()
+        if progress.phase == Phase.TRAINING:
+            if self._wants_standby and self._standby is None:
+                self._standby = self._spawn(standby=True)
+            if not self._settled:
+                standby = self._standby.progress() if self._standby is not None else None
+                if not self._wants_standby or (
+                    standby is not None and standby.phase == Phase.PARKED
+                ):
+                    self._settled = True
+                    if self._async_eval:
+                        self.evaluator.start()
+        self.observer.progress(progress)
+
+    # -- what next ---------------------------------------------------------------------------
+    def _decide(self, report: AttemptReport) -> JobOutcome | None:
+        """The job's outcome after this attempt, or None: it goes on."""
+        reports = tuple(self._reports)
+        if report.outcome == Outcome.SUCCESS:
+            preemptions = sum(1 for r in reports if r.outcome == Outcome.PREEMPTED)
+            return JobOutcome(
+                True,
+                f"succeeded on attempt {report.attempt} after {self._failures} failure(s) and "
+                f"{preemptions} preemption(s)",
+                reports,
+            )
+        if report.fatal:
+            return JobOutcome(
+                False, f"{report.describe()}: not retried, a relaunch cannot fix it", reports
+            )
+        rec = self.config.recovery
+        if report.outcome == Outcome.PREEMPTED:
+            preemptions = sum(1 for r in reports if r.outcome == Outcome.PREEMPTED)
+            if preemptions > rec.max_preemptions:
+                return JobOutcome(
+                    False,
+                    f"preempted {preemptions} times, more than "
+                    f"max_preemptions={rec.max_preemptions}",
+                    reports,
+                )
+            return None
+        self._failures += 1
+        if self._failures > rec.max_failures:
+            return JobOutcome(
+                False,
+                f"{self._failures} failures exceed max_failures={rec.max_failures}; last "
+                f"{report.describe()}",
+                reports,
+            )
+        return None
+
+    def _next(self, report: AttemptReport) -> AttemptProcess:
+        """The next attempt: the standby, promoted, or a cold launch under a new number."""
+        repeats = 0
+        for earlier in reversed(self._reports[:-1]):
+            if earlier.outcome != report.outcome:
+                break
+            repeats += 1
+        delay = backoff_s(self.config.recovery, report.outcome, repeats)
+        if delay > 0:
+            self.log.warning("%s; relaunching in %.1f s", report.describe(), delay)
+            self.sleep(delay)
+        self._check_standby()  # a standby that died meanwhile is lost, not promoted
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            how = f"promoting standby attempt {standby.number}"
+        elif self._last_lost is not None:
+            number, lost_at = self._last_lost
+            when = time.strftime("%H:%M:%S", time.localtime(lost_at))
+            how = f"relaunching cold (standby attempt {number} lost at {when})"
+        else:
+            how = "relaunching cold"
+        rec = self.config.recovery
+        failures = f"failures {self._failures}/{rec.max_failures}"
+        self.log.warning("%s; %s (%s)", report.describe(), how, failures)
+        if standby is None:
+            return self._spawn(standby=False)
+        standby.promote(self._job_state())
+        self._standby_losses = 0
+        return standby
+
+    # -- the standby -------------------------------------------------------------------------
+    @property
+    def _wants_standby(self) -> bool:
+        return self.config.recovery.standby and self._standby_losses < MAX_STANDBY_LOSSES
+
+    def _check_standby(self) -> None:
+        """A standby that died while it waited: mark it lost in the ledger (its own attempt
+        number, the orchestrator's file) and forget it; ``_progress`` starts another."""
+        standby = self._standby
+        if standby is None or (code := standby.poll()) is None:
+            return
+        self._standby = None
+        seen = standby.progress()
+        parked = seen is not None and seen.phase == Phase.PARKED
+        lost_at = clocks.wall()
+        standby.end(0.0, preempt=False)
+        cause = str(outcome_of(code))
+        with Ledger(self.layout, attempt=standby.number, rank=0, role="orchestrator") as ledger:
+            ledger.mark(Mark.STANDBY_LOST, t=lost_at, cause=cause, exit_code=code, parked=parked)
+        self._standby_losses += 1
+        self._last_lost = (standby.number, lost_at)
+        again = (
+            "starting another"
+            if self._wants_standby
+            else f"{MAX_STANDBY_LOSSES} lost in a row: going on without a standby"
+        )
+        self.log.warning(
+            "standby attempt %d lost while %s (%s); %s",
+            standby.number,
+            "parked" if parked else "starting",
+            name_of(code),
+            again,
+        )
+
+    def release_standby(self) -> None:
+        """A standby that will not be promoted: close its pipes (it exits) and end it."""
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            standby.release()
+
+    # -- launching ---------------------------------------------------------------------------
+    def _job_state(self) -> JobState:
+        """Every failure so far, in-process ones included: what the next attempt's
+        checkpoint interval estimates the MTBF from (``max_failures`` counts only the ones
+        that ended an attempt)."""
+        return JobState(self._failures + self._recovered_in_process, self.started_at)
+
+    def _spawn(self, standby: bool) -> AttemptProcess:
+        assert self._lease is not None
+        return AttemptProcess.spawn(
+            self.spec, next(self._numbers), standby, self._lease.env(), self._job_state(), self.log
+        )
+
+    def _measure_clocks(self) -> None:
+        """A resumed job: another host whose ledger ends in this host's future runs ahead
+        (infra/accounting/clocks.py); say so, and record it for the report."""
+        ahead = domains_ahead(self.layout)
+        if ahead:
+            self._clock_attrs = {"ahead": ahead}
+        for domain, bound in ahead.items():
+            self.log.warning(
+                "the ledger of host %s ends %.1f s in this host's future: its clock runs "
+                "ahead; the report moves its events back",
+                clocks.label(domain),
+                bound,
+            )
+
+
+def run(config: JobConfig, observer: JobObserver | None = None, **kwargs: Any) -> JobResult:
+    """Run the job to its outcome (``ett train``, tests); ``kwargs`` go to Orchestrator."""
+    with Orchestrator(config, observer, **kwargs) as job:
+        for attempt in job:
+            job.watch(attempt)
+    assert job.result is not None
+    return job.result
