@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from infra.accounting.ledger import Span, read_events  # noqa: E402
+from infra.accounting.ledger_format import Span  # noqa: E402
+from infra.accounting.ledger_read import read_events  # noqa: E402
 from infra.settings import JobConfig, dump_config, load_config  # noqa: E402
 from tests.factories import run_trainer, write_dataset  # noqa: E402
 
@@ -50,7 +51,7 @@ def make_config(tmp: Path, job_id: str, steps: int, eval_every: int, ckpt_every:
 
 
 def train_wall(config: JobConfig) -> tuple[float, list]:
-    steps = [e for e in read_events(config.job_url) if e.name == "train_step"]
+    steps = [e for e in read_events(config.layout) if e.name == "train_step"]
     return max(e.end for e in steps) - min(e.start for e in steps), steps
 
 
@@ -79,7 +80,7 @@ def main() -> int:
     if result.returncode:
         raise SystemExit(f"in-loop run failed:\n{result.stdout[-3000:]}")
     wall_loop, _ = train_wall(in_loop)
-    evals_loop = [e.duration for e in read_events(in_loop.job_url) if e.name == "eval"]
+    evals_loop = [e.duration for e in read_events(in_loop.layout) if e.name == "eval"]
 
     trainer_cfg = make_config(tmp, "async", args.steps, 0, args.every)
     evaluator_cfg = make_config(tmp, "async", args.steps, args.every, args.every)
@@ -116,7 +117,7 @@ def main() -> int:
             proc.kill()
             proc.wait()
     wall_async, steps = train_wall(trainer_cfg)
-    evals = [e for e in read_events(trainer_cfg.job_url) if e.name == Span.ASYNC_EVAL]
+    evals = [e for e in read_events(trainer_cfg.layout) if e.name == Span.ASYNC_EVAL]
 
     def beside(s) -> bool:
         return any(s.start < e.end and e.start < s.end for e in evals)

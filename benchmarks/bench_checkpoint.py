@@ -42,6 +42,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from infra.job_layout import JobLayout
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
@@ -57,12 +59,13 @@ from torch.distributed._shard.sharded_tensor import (  # noqa: E402
 
 from benchmarks.save import save_json  # noqa: E402
 from infra import storage  # noqa: E402
-from infra.accounting.ledger import Ledger, read_events  # noqa: E402
+from infra.accounting.ledger import Ledger  # noqa: E402
+from infra.accounting.ledger_read import read_events  # noqa: E402
+from infra.checkpoint_manifest import committed_checkpoints, library_versions  # noqa: E402
 from infra.devstack import servers  # noqa: E402
 from infra.settings import JobConfig, load_config  # noqa: E402
 from tests.factories import HeldState  # noqa: E402
 from trainer.checkpoint.checkpointer import Checkpointer  # noqa: E402
-from trainer.checkpoint.manifest import committed_checkpoints, library_versions  # noqa: E402
 
 MODES = ("sync", "async", "async_staged")
 TENSORS = 4  # the state: this many equal fp32 tensors of shape (rows, 1024)
@@ -161,7 +164,7 @@ def bench_mode(
     job_id = f"bench-{mode}-{uuid.uuid4().hex[:8]}"
     config = job_config(root, endpoint, mode, job_id)
     storage.configure(config.storage)
-    ledger = Ledger(f"file://{scratch}/ledgers/{job_id}")  # never on the target
+    ledger = Ledger(JobLayout.at(f"file://{scratch}/ledgers/{job_id}"))  # never on the target
     ckpt = Checkpointer(config, rank=0, world_size=1, ledger=ledger, process_group=pg)
     position = HeldState({})
     ckpt.register(
@@ -181,17 +184,17 @@ def bench_mode(
             t2 = time.perf_counter()
             blocking.append(t1 - t0)
             commit.append(t2 - t0)
-            found = committed_checkpoints(config.job_url)
+            found = committed_checkpoints(config.layout)
             if not found or found[0].step != step:
                 raise RuntimeError(f"{mode}: the checkpoint at step {step} did not commit")
     finally:
         ckpt.close()
         ledger.close()
         with contextlib.suppress(OSError):
-            storage.remove(config.job_url, recursive=True)
+            storage.remove(config.layout.url, recursive=True)
     failed = [
         e
-        for e in read_events(f"file://{scratch}/ledgers/{job_id}")
+        for e in read_events(JobLayout.at(f"file://{scratch}/ledgers/{job_id}"))
         if e.name == "checkpoint_failed"
     ]
     if failed:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import platform
@@ -45,6 +44,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from infra.job_layout import JobLayout
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
@@ -95,15 +96,24 @@ def overrides(variant: str, work: Path, steps: int) -> dict[str, Any]:
     }
 
 
-def launch_spec(variant: str):  # noqa: ANN201 - a LaunchSpec factory for the flow
+@contextlib.contextmanager
+def launched_as(variant: str) -> Iterator[None]:
     """The baseline's ranks are fresh interpreters running the coupled trainer."""
-    from tasks.attempts import LaunchSpec
+    from tasks.attempt import LaunchSpec
 
     if variant == "optimized":
-        return LaunchSpec
-    program = (str(ROOT / "benchmarks" / "coupled_trainer.py"),)
-    launcher = ("-m", "trainer.launch", "--start-method=spawn")
-    return functools.partial(LaunchSpec, launcher=launcher, program=program)
+        yield
+        return
+    seams = {
+        "program": (str(ROOT / "benchmarks" / "coupled_trainer.py"),),
+        "launcher": ("-m", "trainer.launch", "--start-method=spawn"),
+    }
+    original = LaunchSpec.of
+    LaunchSpec.of = staticmethod(lambda config, path, **kw: original(config, path, **seams, **kw))
+    try:
+        yield
+    finally:
+        LaunchSpec.of = original  # type: ignore[method-assign]
 
 
 def run_variant(variant: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -111,17 +121,15 @@ def run_variant(variant: str, work: Path, args: argparse.Namespace) -> dict[str,
 
     path = work / f"{variant}.yaml"
     dump_config(load_config(**overrides(variant, work, args.steps)), path)
-    original = train_module.LaunchSpec
-    train_module.LaunchSpec = launch_spec(variant)
-    try:
+    with launched_as(variant):
         t0 = time.monotonic()
-        result = train_module.train_flow(
-            config=str(path), faults=faults(variant, args.steps), backoff_s=args.backoff_s
-        )
+        run_overrides = {
+            "faults": faults(variant, args.steps),
+            "recovery": {"backoff_s": args.backoff_s},
+        }
+        result = train_module.train_flow(config=str(path), overrides=run_overrides)
         flow_s = time.monotonic() - t0
-    finally:
-        train_module.LaunchSpec = original
-    report = report_for_job(result["job_url"])
+    report = report_for_job(JobLayout.at(result["job_url"]))
     row = summarize(variant, report)
     row["flow_s"] = round(flow_s, 1)
     row["attempts"] = result["attempts"]
@@ -181,7 +189,7 @@ def prewarm(work: Path) -> None:
 @contextlib.contextmanager
 def agent_pool(work: Path, enabled: bool) -> Iterator[None]:
     """With ``enabled``: ``ett pool`` runs (one agent parked before the job starts) and this
-    process, which runs the flow, has ``ETT_AGENT_POOL`` pointing at it."""
+    process, which runs the flow, has ``ETT_LAUNCH__AGENT_POOL`` pointing at it."""
     if not enabled:
         yield
         return
@@ -279,7 +287,7 @@ def main() -> int:
     parser.add_argument(
         "--pool",
         action="store_true",
-        help="the optimized job claims its launchers from `ett pool` (ETT_AGENT_POOL)",
+        help="the optimized job claims its launchers from `ett pool` (ETT_LAUNCH__AGENT_POOL)",
     )
     parser.add_argument("--work-dir", help="keep data and jobs here (default: a temp dir)")
     parser.add_argument("--out", default=str(OUT))
@@ -304,7 +312,7 @@ def main() -> int:
     started = time.time()
     for variant in variants:
         if args.report_only:  # the jobs ran already under --work-dir: tables again
-            rows.append(summarize(variant, report_for_job(job_url(work, variant))))
+            rows.append(summarize(variant, report_for_job(JobLayout.at(job_url(work, variant)))))
             continue
         if variant == "optimized":
             prewarm(work)
@@ -350,7 +358,7 @@ def simulate(work: Path, folder: Path) -> None:
     from infra.whatif.scaling import ScalingLaws
     from infra.whatif.simulate_report import format_text, run_simulate, write_outputs
 
-    jobs = {v: job_url(work, v) for v in VARIANTS}
+    jobs = {v: JobLayout.at(job_url(work, v)) for v in VARIANTS}
     result = run_simulate(jobs, ScalingLaws(), days=30)
     print(format_text(result), end="")
     print(f"wrote {', '.join(str(p) for p in write_outputs(result, folder))}")

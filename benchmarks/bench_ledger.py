@@ -39,6 +39,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from infra.job_layout import JobLayout
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
@@ -69,7 +71,7 @@ def trainer_step(tmp: Path, batch: int, rows: int, threads: int) -> Callable[[],
         checkpoint={"mode": "off"},
     )
     generate(config.data, config.data.url)
-    with Ledger(str(tmp / "init")) as init_ledger:
+    with Ledger(JobLayout.at(str(tmp / "init"))) as init_ledger:
         parts = Initializer(config, init_ledger, None).run()
     cached = [parts.first_batch] if parts.first_batch is not None else []
     cached += list(itertools.islice(parts.batches, 63))
@@ -129,9 +131,9 @@ def events_only(args: argparse.Namespace) -> dict[str, object]:
     rounds, per_round = 10, max(args.events // 10, 1)
     with tempfile.TemporaryDirectory(prefix="bench-ledger-") as tmp:
         ledgers = {
-            "local": Ledger(str(Path(tmp) / "job")),
+            "local": Ledger(JobLayout.at(str(Path(tmp) / "job"))),
             "object": Ledger(
-                f"{args.object_url}/bench-ledger-{os.getpid()}-{time.time_ns()}",
+                JobLayout.at(f"{args.object_url}/bench-ledger-{os.getpid()}-{time.time_ns()}"),
                 sync_every_s=args.sync_every_s,
             ),
         }
@@ -190,7 +192,7 @@ def main() -> None:
     ratios: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-ledger-") as tmp:
         step = trainer_step(Path(tmp), args.batch, args.rows, args.threads)
-        ledger = Ledger(str(Path(tmp) / "job"))
+        ledger = Ledger(JobLayout.at(str(Path(tmp) / "job")))
         for i in range(args.warmup):
             timed_step(step, ledger if i % 2 else None, i)
         for pair in range(args.pairs):

@@ -3,7 +3,7 @@
 The demo model and data, one rank, a warm compile cache (a first job under the same storage
 root fills it, as every job after the first finds it). Then ``--repeat`` pairs of short
 ``ett train`` jobs alternate: **cold** (a fresh ``python -m trainer.launch``, what every job
-does without a pool) and **pooled** (``ETT_AGENT_POOL`` set: the launcher is a parked agent
+does without a pool) and **pooled** (``ETT_LAUNCH__AGENT_POOL`` set: the launcher is a parked agent
 that imported torch, TorchRec, the trainer and the compiler before the job existed). Before
 every job the pool has an agent parked again and nothing else runs, so the pool's refill
 never overlaps the start being measured.
@@ -30,13 +30,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from infra.job_layout import JobLayout
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.save import save_json  # noqa: E402
 from infra.accounting.ett import report_for_job  # noqa: E402
-from infra.accounting.ledger import read_events  # noqa: E402
+from infra.accounting.ledger_read import read_events  # noqa: E402
 from infra.agent_protocol import ENV_POOL  # noqa: E402
 from infra.processes import repo_pythonpath  # noqa: E402
 from infra.settings import dump_config, load_config  # noqa: E402
@@ -72,7 +74,7 @@ def train(work: Path, job_id: str, steps: int, env: dict[str, str]) -> dict[str,
     if proc.returncode != 0:
         raise RuntimeError(f"job {job_id} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
     url = f"file://{work}/store/jobs/{job_id}"
-    events = read_events(url)
+    events = read_events(JobLayout.at(url))
 
     def span(name: str, stage: str | None = None) -> float | None:
         found = [
@@ -87,7 +89,7 @@ def train(work: Path, job_id: str, steps: int, env: dict[str, str]) -> dict[str,
     launch = next(e for e in events if e.name == "launcher_init" and e.attempt == 0)
     return {
         "job_id": job_id,
-        "time_to_start_s": round(report_for_job(url).time_to_start_s, 2),
+        "time_to_start_s": round(report_for_job(JobLayout.at(url)).time_to_start_s, 2),
         "launcher_init_s": span("launcher_init"),
         "pooled": bool(launch.attrs.get("pooled")),
         "compile_cache_load_s": span("pre_train", "compile_cache_load"),

@@ -36,13 +36,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from infra.job_layout import JobLayout
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.save import save_json  # noqa: E402
 from infra.settings import JobConfig, dump_config, load_config  # noqa: E402
-from tasks.attempts import LaunchSpec  # noqa: E402
+from tasks.attempt import LaunchSpec  # noqa: E402
 
 COUPLED = str(ROOT / "benchmarks" / "coupled_trainer.py")
 
@@ -69,9 +71,11 @@ def job_config(work: Path, job_id: str, args: argparse.Namespace, tracking_uri: 
 
 
 def last_step_end(job_url: str) -> float:
-    from infra.accounting.ledger import read_events
+    from infra.accounting.ledger_read import read_events
 
-    ends = [e.end for e in read_events(job_url) if e.name == "train_step" and e.rank == 0]
+    ends = [
+        e.end for e in read_events(JobLayout.at(job_url)) if e.name == "train_step" and e.rank == 0
+    ]
     if not ends:
         raise RuntimeError(f"no train_step in the ledger of {job_url}")
     return max(ends)
@@ -80,27 +84,30 @@ def last_step_end(job_url: str) -> float:
 def trainer_end(job_url: str) -> float:
     """When rank 0's trainer finished (its job_end mark): what follows is in-job publishing
     (coupled) or just process exit (decoupled)."""
-    from infra.accounting.ledger import read_events
+    from infra.accounting.ledger_read import read_events
 
-    marks = [e.end for e in read_events(job_url) if e.name == "job_end" and e.rank == 0]
+    marks = [
+        e.end for e in read_events(JobLayout.at(job_url)) if e.name == "job_end" and e.rank == 0
+    ]
     if not marks:
         raise RuntimeError(f"no job_end mark in the ledger of {job_url}")
     return max(marks)
 
 
 def publish_spans(job_url: str) -> dict[str, float]:
-    from infra.accounting.ledger import PUBLISH_SPANS, read_events
+    from infra.accounting.ledger_format import PUBLISH_SPANS
+    from infra.accounting.ledger_read import read_events
 
-    spans = [e for e in read_events(job_url) if e.name in PUBLISH_SPANS]
+    spans = [e for e in read_events(JobLayout.at(job_url)) if e.name in PUBLISH_SPANS]
     out = {e.name: round(e.duration, 3) for e in spans}
     out["total"] = round(sum(e.duration for e in spans), 3)
     return out
 
 
 def anchor_url(job_url: str) -> str:
-    from infra.accounting.ledger import read_events
+    from infra.accounting.ledger_read import read_events
 
-    marks = [e for e in read_events(job_url) if e.name == "anchor_committed"]
+    marks = [e for e in read_events(JobLayout.at(job_url)) if e.name == "anchor_committed"]
     if not marks:
         raise RuntimeError(f"{job_url} committed no anchor")
     return str(marks[-1].attrs["url"])
@@ -132,16 +139,16 @@ def run_mode(mode: str, work: Path, rep: int, args: argparse.Namespace, tracking
     if code != 0:
         raise RuntimeError(f"{mode} job failed ({code}); see {work / f'{job_id}.log'}")
     row: dict[str, Any] = {"mode": mode, "repeat": rep, "job_wall_s": round(end - start, 3)}
-    row["shutdown_s"] = round(end - last_step_end(config.job_url), 3)
-    row["after_trainer_end_s"] = round(end - trainer_end(config.job_url), 3)
+    row["shutdown_s"] = round(end - last_step_end(config.layout.url), 3)
+    row["after_trainer_end_s"] = round(end - trainer_end(config.layout.url), 3)
     if mode == "decoupled":
-        uri = anchor_url(config.job_url)
+        uri = anchor_url(config.layout.url)
         cmd = [sys.executable, "-m", "publish", "--uri", uri, "--job-id", job_id]
         pcode, pstart, pend = run_timed(cmd, env, work / f"{job_id}-publish.log")
         if pcode != 0:
             raise RuntimeError(f"publish failed ({pcode}); see {work / f'{job_id}-publish.log'}")
         row["publisher_process_s"] = round(pend - pstart, 3)
-    row["publish_spans_s"] = publish_spans(config.job_url)
+    row["publish_spans_s"] = publish_spans(config.layout.url)
     return row
 
 

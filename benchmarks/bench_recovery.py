@@ -1,7 +1,7 @@
 """Recovery: Time to Recover per failure kind, warm standby vs cold relaunch, side by side.
 
 Workload: the demo model and data (embedded defaults), ``--nproc`` ranks, ``--steps`` steps,
-one failure at ``--at`` of attempt 0, run by the orchestrator's attempt loop (tasks/attempts.py,
+one failure at ``--at`` of attempt 0, run by the orchestrator's attempt loop (tasks/orchestrator.py,
 the code of the ``train`` flow and ``ett train``) with backoff 0. Every job shares one storage
 root, so every attempt but the very first loads a warm compile cache. Kinds:
 
@@ -9,7 +9,8 @@ root, so every attempt but the very first loads a warm compile cache. Kinds:
 - ``sigkill_rank``: SIGKILL of one rank (a lost worker);
 - ``sigkill_attempt``: SIGKILL of the whole attempt (agent and ranks) from outside;
 - ``preemption``: SIGTERM: the ranks checkpoint at the step boundary and exit 83;
-- ``hang``: rank 0 stops stepping; killed after ``--hang-timeout`` (plus the kill's grace).
+- ``hang``: rank 0 stops stepping; killed after ``--hang-timeout`` (plus the kill's grace:
+  ``--budget``, the preemption budget, + 5 s).
 
 Modes: ``standby`` is the default product (warm standby promoted on a failure, a crash
 recovered in process); ``cold`` relaunches a new torchrun per failure (no standby, no
@@ -44,9 +45,10 @@ from benchmarks.save import save_json  # noqa: E402
 from infra import processes  # noqa: E402
 from infra.accounting.ett import report_for_job  # noqa: E402
 from infra.control import Phase, Progress  # noqa: E402
-from infra.settings import JobConfig, dump_config, load_config  # noqa: E402
-from tasks.attempts import JobRunner, LaunchSpec, RetryPolicy, Timeouts  # noqa: E402
+from infra.settings import JobConfig, load_config  # noqa: E402
+from tasks.orchestrator import JobObserver, run  # noqa: E402
 from tests import procs  # noqa: E402
+from tests.procs import MARKER  # noqa: E402
 
 KINDS = ("crash", "sigkill_rank", "sigkill_attempt", "preemption", "hang")
 MODES = ("standby", "cold")
@@ -61,49 +63,47 @@ def job_config(work: Path, kind: str, mode: str, rep: int, args: argparse.Namesp
         storage={"root": f"file://{work}/store"},
         data={"url": f"file://{work}/data"},
         train={"steps": args.steps, "eval": "off"},
-        recovery={"standby": not cold, "in_process_restart": not cold},
+        checkpoint={"preemption_budget_s": args.budget},
+        launch={"nproc": args.nproc},
+        recovery={
+            "standby": not cold,
+            "in_process_restart": not cold,
+            "max_failures": 2,
+            "backoff_s": 0,
+            "hang_timeout_s": args.hang_timeout,
+            "startup_timeout_s": 600.0,
+        },
         faults=faults,
     )
 
 
-def kill_attempt_at(step: int, config_path: str, fired: list[int]):  # noqa: ANN201
-    """on_progress: once attempt 0 reaches ``step``, SIGKILL all of it from outside."""
+class KillAttemptAt(JobObserver):
+    """Once attempt 0 reaches ``step``, SIGKILL all of it from outside."""
 
-    def on_progress(progress: Progress) -> None:
-        if fired or progress.phase != Phase.TRAINING or progress.step < step:
+    def __init__(self, step: int, marker: str) -> None:
+        self.step, self.marker = step, marker
+        self.fired: list[int] = []
+
+    def progress(self, progress: Progress) -> None:
+        if self.fired or progress.phase != Phase.TRAINING or progress.step < self.step:
             return
-        fired.append(progress.step)
-        agents = procs.launchers(procs.mentioning("trainer.launch", config_path))
-        agents = [p for p in agents if procs.env_var(p, "ETT_ATTEMPT") == "0"]
+        self.fired.append(progress.step)
+        agents = procs.launchers(procs.carrying(**{MARKER: self.marker, "ETT_ATTEMPT": "0"}))
         for agent in agents:
             for pid in [agent, *processes.descendants(agent)]:
                 os.kill(pid, signal.SIGKILL)
 
-    return on_progress
-
 
 def one(kind: str, mode: str, rep: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     config = job_config(work, kind, mode, rep, args)
-    path = work / f"{config.job_id}.yaml"
-    dump_config(config, path)
-    spec = LaunchSpec(str(path), nproc=args.nproc)
-    fired: list[int] = []
-    runner = JobRunner(
-        config.job_url,
-        spec,
-        RetryPolicy(max_failures=2, backoff_s=0),
-        Timeouts(hang_s=args.hang_timeout, startup_s=600.0, grace_s=args.grace),
-        standby=config.recovery.standby,
-        on_progress=kill_attempt_at(args.at, str(path), fired)
-        if kind == "sigkill_attempt"
-        else None,
-    )
+    marker = f"{work}/{config.job_id}"
+    observer = KillAttemptAt(args.at, marker) if kind == "sigkill_attempt" else None
     started = time.perf_counter()
-    outcome = runner.run()
+    outcome = run(config, observer, env={MARKER: marker}).outcome
     wall = time.perf_counter() - started
     if not outcome.succeeded:
         raise RuntimeError(f"{config.job_id}: {outcome.message}")
-    report = report_for_job(config.job_url)
+    report = report_for_job(config.layout)
     (failure,) = report.failures
     return {
         "kind": kind,
@@ -127,7 +127,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--at", type=int, default=300, help="the failing step of attempt 0")
     parser.add_argument("--hang-timeout", type=float, default=10.0)
-    parser.add_argument("--grace", type=float, default=5.0, help="SIGTERM -> SIGKILL")
+    parser.add_argument(
+        "--budget", type=float, default=1.0, help="preemption budget (the kill's grace: + 5 s)"
+    )
     parser.add_argument("--work-dir")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "recovery.json"))
     args = parser.parse_args()

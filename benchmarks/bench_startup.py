@@ -38,7 +38,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from benchmarks.save import save_json  # noqa: E402
 from infra.accounting.ett import compute_report  # noqa: E402
-from infra.accounting.ledger import INIT_SPANS, Event, read_events  # noqa: E402
+from infra.accounting.ledger_format import INIT_SPANS, Event  # noqa: E402
+from infra.accounting.ledger_read import read_events  # noqa: E402
 from tests.factories import run_trainer, tiny_config, write_dataset  # noqa: E402
 from trainer.init_stages import STAGE_DEPS  # noqa: E402
 
@@ -123,7 +124,7 @@ def run_job(
             break
     if codes[-1] != 0:
         raise RuntimeError(f"{job}: exit codes {codes}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-    events = read_events(config.job_url)
+    events = read_events(config.layout)
     report = compute_report(events)
     out = attempt_metrics(events, max(e.attempt for e in events))
     breakdown = report.init[-1]

@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
     if code != 0 or int(os.environ.get("RANK", "0")) != 0:
         return code
     config = load_config(argv[argv.index("--config") + 1])
-    anchor = next(c for c in committed_checkpoints(config.job_url) if c.manifest.anchor)
+    anchor = next(c for c in committed_checkpoints(config.layout) if c.manifest.anchor)
     overrides = {"tracking_uri": config.tracking.mlflow_uri}
     result = publish(anchor.url, anchor.step, config.job_id, None, overrides)
     print(f"coupled publish: {result.registered_model} v{result.version}", flush=True)

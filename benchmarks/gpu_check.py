@@ -45,11 +45,12 @@ import torch  # noqa: E402
 
 from infra import storage  # noqa: E402
 from infra.accounting.ett import report_for_job  # noqa: E402
-from infra.accounting.ledger import Mark, read_events  # noqa: E402
+from infra.accounting.ledger_format import Mark  # noqa: E402
+from infra.accounting.ledger_read import read_events  # noqa: E402
 from infra.accounting.mfu import mfu_for_job  # noqa: E402
 from infra.processes import terminate_tree  # noqa: E402
 from infra.settings import dump_config, load_config  # noqa: E402
-from tasks.attempts import LaunchSpec  # noqa: E402
+from tasks.attempt import LaunchSpec  # noqa: E402
 
 # Seconds per part: together within the 8-minute budget, with room for start-up.
 LIMITS = {"gpu_tests": 120, "nccl_training": 210, "attention": 60, "staging": 60}
@@ -146,14 +147,14 @@ def nccl_training(dry: bool, out: Path, steps: int) -> dict[str, Any]:
     cmd = LaunchSpec(str(path)).commands(0, "gpu-check")[0]
     res = run_part(cmd, LIMITS["nccl_training"], env, grep=(backend,))
     storage.configure(config.storage)
-    events = read_events(config.job_url)
+    events = read_events(config.layout)
     ledger = out / "nccl_training_ledger"
     ledger.mkdir(exist_ok=True)
-    for url in storage.glob(storage.join(config.job_url, "ledger", "*.jsonl")):
+    for url in storage.glob(storage.join(config.layout.url, "ledger", "*.jsonl")):
         (ledger / url.rsplit("/", 1)[-1]).write_bytes(storage.read_bytes(url))
     if events:
-        report = report_for_job(config.job_url)
-        mfu = mfu_for_job(config.job_url, report)
+        report = report_for_job(config.layout)
+        mfu = mfu_for_job(config.layout, report)
         marks = [e.attrs for e in events if e.name == Mark.MODEL_FLOPS]
         res.update(
             steps=report.num_steps,

@@ -51,7 +51,7 @@ def write_dataset(config: JobConfig) -> dict[str, Any]:
 
 def trainer_command(config_path: str | Path, nproc: int = 1) -> list[str]:
     """The command line of one single-node attempt, exactly as the orchestrator builds it."""
-    from tasks.attempts import LaunchSpec
+    from tasks.attempt import LaunchSpec
 
     return LaunchSpec(str(config_path), nproc=nproc).commands(0, "test")[0]
 
@@ -103,7 +103,7 @@ def assert_bit_identical(clean: JobConfig, faulted: JobConfig, steps: int) -> No
 
     from infra.checkpoint_manifest import committed_checkpoints
 
-    [a, b] = [committed_checkpoints(c.job_url)[0] for c in (clean, faulted)]
+    [a, b] = [committed_checkpoints(c.layout)[0] for c in (clean, faulted)]
     assert a.step == b.step == steps and a.manifest.anchor and b.manifest.anchor
     left, right = checkpoint_tensors(a.url), checkpoint_tensors(b.url)
     assert left.keys() == right.keys()
@@ -114,9 +114,10 @@ def assert_bit_identical(clean: JobConfig, faulted: JobConfig, steps: int) -> No
 
 def resume_marks(config: JobConfig) -> list[tuple[int, int, bool]]:
     """(attempt, step, in_process) of every resume mark of rank 0, in order."""
-    from infra.accounting.ledger import Mark, read_events
+    from infra.accounting.ledger_format import Mark
+    from infra.accounting.ledger_read import read_events
 
-    marks = [e for e in read_events(config.job_url) if e.name == Mark.RESUME and e.rank == 0]
+    marks = [e for e in read_events(config.layout) if e.name == Mark.RESUME and e.rank == 0]
     return [(e.attempt, e.step, bool(e.attrs.get("in_process"))) for e in marks]
 
 
@@ -194,3 +195,25 @@ class PoolProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=60)
+
+
+def with_sections(config: JobConfig, **sections: dict[str, Any]) -> JobConfig:
+    """``config`` with fields of some sections replaced, e.g.
+    ``with_sections(c, launch={"nproc": 2})``."""
+    return config.model_copy(
+        update={k: getattr(config, k).model_copy(update=v) for k, v in sections.items()}
+    )
+
+
+def use_launcher(monkeypatch: Any, *launcher: str) -> None:
+    """Every attempt the orchestrator launches in this test runs ``launcher`` (a stand-in for
+    ``python -m trainer.launch``, e.g. tests/fake_trainer.py) instead of the trainer."""
+    from tasks import orchestrator
+    from tasks.attempt import LaunchSpec
+
+    original = LaunchSpec.of
+
+    def of(config: JobConfig, config_path: str, **seams: Any) -> LaunchSpec:
+        return original(config, config_path, **{"launcher": launcher, **seams})
+
+    monkeypatch.setattr(orchestrator.LaunchSpec, "of", staticmethod(of))

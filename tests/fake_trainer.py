@@ -4,7 +4,8 @@ infra/control.py: pid and exit files, progress, standby parking and promotion; l
 resume, injected faults).
 
 It reads job_id, storage.root, train.steps, checkpoint.every_steps and faults from the config,
-and ETT_ATTEMPT / ETT_STANDBY / ETT_CONTROL_DIR from the environment. A "checkpoint" is a file
+and ETT_ATTEMPT / ETT_STANDBY / ETT_CONTROL_DIR from the environment, and the job's state
+(failures so far) from the control folder, as the trainer does. A "checkpoint" is a file
 holding the last committed step; each attempt resumes from it; the final one also commits an
 anchor manifest (what the flow looks for). Faults: crash -> exit 1,
 sigkill -> SIGKILL itself, sigterm -> commit and exit 83 (preempted), hang -> stop stepping
@@ -37,12 +38,15 @@ from pathlib import Path
 
 import yaml
 
+from infra.job_layout import JobLayout
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from infra import storage  # noqa: E402
-from infra.accounting.ledger import Ledger, Mark, Span  # noqa: E402
-from infra.checkpoint_manifest import MANIFEST, Manifest, checkpoints_url, step_dir_name  # noqa: E402
-from infra.control import Command, Phase, RankControl  # noqa: E402
+from infra.accounting.ledger import Ledger  # noqa: E402
+from infra.accounting.ledger_format import Mark, Span  # noqa: E402
+from infra.checkpoint_manifest import MANIFEST, Manifest  # noqa: E402
+from infra.control import ENV_ATTEMPT, Command, Phase, RankControl  # noqa: E402
 from infra.exit_codes import ExitCode  # noqa: E402
 
 STEP_S = float(os.environ.get("FAKE_STEP_S", "0.02"))
@@ -50,20 +54,21 @@ STEP_S = float(os.environ.get("FAKE_STEP_S", "0.02"))
 
 def main(control: RankControl | None) -> int:
     cfg = yaml.safe_load(Path(sys.argv[sys.argv.index("--config") + 1]).read_text())
-    job_url = f"{cfg['storage']['root'].rstrip('/')}/jobs/{cfg['job_id']}"
-    attempt = int(os.environ["ETT_ATTEMPT"])
+    layout = JobLayout.for_job(cfg["storage"]["root"], cfg["job_id"])
+    job_url = layout.url
+    attempt = int(os.environ[ENV_ATTEMPT])
     steps = cfg["train"]["steps"]
     every = cfg["checkpoint"]["every_steps"]
     every = every if isinstance(every, int) else 10
     faults = {f["step"]: f["kind"] for f in cfg.get("faults") or [] if f["attempt"] == attempt}
     if attempt == 0 and os.environ.get("FAKE_EXCEPTION_STEPS"):
         faults.update({int(s): "exception" for s in os.environ["FAKE_EXCEPTION_STEPS"].split(",")})
-    ledger = Ledger(job_url, attempt=attempt, rank=0, sync_every_s=0.0)
+    ledger = Ledger(JobLayout.at(job_url), attempt=attempt, rank=0, sync_every_s=0.0)
     ledger.mark(
         Mark.ATTEMPT_START,
         pid=os.getpid(),
         standby=bool(control and control.standby),
-        failures=int(os.environ.get("ETT_JOB_FAILURES", "0")),  # what the orchestrator says
+        failures=control.job_state().failures if control else 0,  # what the orchestrator says
     )
     if control is not None:
         control.report(Phase.INIT)
@@ -88,10 +93,10 @@ def main(control: RankControl | None) -> int:
         if "FAKE_STANDBY_EXIT" in os.environ and (not dying or str(attempt) in dying.split(",")):
             ledger.close()
             return int(os.environ["FAKE_STANDBY_EXIT"])
-        if (promotion := control.wait(Command.PROMOTE)) is None:
+        if control.wait(Command.PROMOTE) is None:
             ledger.close()
             return ExitCode.SUCCESS
-        ledger.mark(Mark.PROMOTED, failures=promotion.get("failures"))
+        ledger.mark(Mark.PROMOTED, failures=control.job_state().failures)
         control.report(Phase.INIT)
     ckpt = storage.join(job_url, "fake_ckpt.txt")
     step = int(storage.read_text(ckpt)) if storage.exists(ckpt) else 0
@@ -144,7 +149,7 @@ def main(control: RankControl | None) -> int:
             commit(step)
     with ledger.span(Span.SHUTDOWN, step=step):
         commit(step)
-        anchor = storage.join(checkpoints_url(job_url), step_dir_name(step))
+        anchor = layout.checkpoint(step)
         manifest = Manifest(step=step, world_size=1, config_hash="fake", files={}, anchor=True)
         storage.write_text(storage.join(anchor, MANIFEST), manifest.to_json())  # the commit
         ledger.mark(Mark.ANCHOR_COMMITTED, step=step, url=anchor)

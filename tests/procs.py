@@ -8,6 +8,8 @@ from pathlib import Path
 
 from infra import processes
 
+MARKER = "ETT_TEST_JOB_MARKER"  # in the environment of every process a test's job starts
+
 
 def mentioning(*needles: str) -> list[int]:
     """Live (non-zombie) processes whose command line contains every one of ``needles``."""

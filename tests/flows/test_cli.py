@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.accounting.ett import report_for_job
+from infra.accounting.summary import JobSummary
 from infra.devstack import servers, stack
 from infra.exit_codes import ExitCode
 from infra.settings import JobConfig, dump_config
@@ -211,7 +211,7 @@ def test_fleet(trained: Trained, request: pytest.FixtureRequest) -> None:
         update={"tracking": trained.config.tracking.model_copy(update={"mlflow_uri": store})}
     )
     run_id = mlflow_runs.start_job_run(config)  # what the train flow logs for a job
-    mlflow_runs.log_job_report(run_id, report_for_job(config.job_url), config.job_url)
+    mlflow_runs.log_job_report(run_id, JobSummary.read(config.layout))
     out = trained.tmp / "fleet"
     proc = ett(
         "fleet",
@@ -244,7 +244,7 @@ def test_report_log_by_url_names_the_ledger_it_read(
         }
     )
     path = write(elsewhere, trained.tmp / "elsewhere.yaml")
-    url = trained.config.job_url
+    url = trained.config.layout.url
     proc = ett("report", url, "--config", path, "--log", cwd=trained.tmp)
     assert proc.returncode == 0, proc.stderr
     assert "logged tiny to MLflow run" in proc.stdout

@@ -4,8 +4,8 @@
 One ``train`` deployment run, with a SIGKILL injected, whose parameters, run job variables
 and worker environment disagree, then the ``publish`` run its anchor event triggers:
 
-- which value wins (run parameters > the run's job_variables env > the worker's environment
-  > the config file), in the flow and in the torchrun ranks;
+- which value wins (the run's job_variables env > the worker's environment > the run's
+  parameters > the config file > the defaults), in the flow and in the torchrun ranks;
 - flow and task runs named after the job; the ETT table and MLflow link artifacts, and the
   publish run's link to the model version it registered;
 - a log without library dumps or torchrun's own traceback, and lines of the ``publish``
@@ -43,7 +43,7 @@ from prefect.client.schemas.filters import (
 from prefect.deployments import run_deployment
 
 from infra import storage
-from infra.accounting.ledger import read_events
+from infra.accounting.ledger_read import read_events
 from infra.settings import JobConfig, dump_config
 from tests.factories import ROOT, tiny_config, write_dataset
 from tests.prefect_worker import deployed_worker
@@ -53,12 +53,16 @@ pytestmark = pytest.mark.slow
 MODEL = "deployments-ranker"
 RUN_TIMEOUT_S = 420
 WORKER_ENV = {  # the worker machine's say
-    "ETT_TRAIN__STEPS": "40",
     "ETT_TRAIN__LOG_EVERY": "4",
     "ETT_CHECKPOINT__EVERY_STEPS": "5",
 }
 RUN_ENV = {"ETT_CHECKPOINT__EVERY_STEPS": "3"}  # the run's job_variables
-OVERRIDES = {"train": {"steps": 8}}  # the run's parameters
+OVERRIDES = {  # the run's parameters
+    "train": {"steps": 8},
+    "checkpoint": {"every_steps": 4},
+    "faults": [{"kind": "sigkill", "step": 5, "attempt": 0}],
+    "recovery": {"backoff_s": 1.0},
+}
 
 
 @pytest.fixture(scope="module")
@@ -135,12 +139,7 @@ def job(worker: Path, mlflow_server: str, tmp_path_factory: pytest.TempPathFacto
     dump_config(config, tmp / "job.yaml")
     run = run_deployment(
         "train/train",
-        parameters={
-            "config": str(tmp / "job.yaml"),
-            "overrides": OVERRIDES,
-            "faults": [{"kind": "sigkill", "step": 5, "attempt": 0}],
-            "backoff_s": 1.0,
-        },
+        parameters={"config": str(tmp / "job.yaml"), "overrides": OVERRIDES},
         job_variables={"env": RUN_ENV},
         timeout=0,
         as_subflow=False,
@@ -150,13 +149,16 @@ def job(worker: Path, mlflow_server: str, tmp_path_factory: pytest.TempPathFacto
     return Job(config, train, _triggered_publish(config.job_id, worker), mlflow_server)
 
 
-def test_run_parameters_win_over_the_worker_environment(job: Job) -> None:
+def test_the_environment_wins_over_run_parameters_which_win_over_the_file(job: Job) -> None:
+    """One field per step of the chain: train.steps (the parameters' 8 over the file's 30),
+    checkpoint.every_steps (the run's job_variables env 3 over the worker's 5, over the
+    parameters' 4, over the file's 10), train.log_every (the worker's 4 over the file's 10)."""
     storage.configure(job.config.storage)
-    events = [e for e in read_events(job.config.job_url) if e.rank == 0]
+    events = [e for e in read_events(job.config.layout) if e.rank == 0]
     steps = sorted({e.step for e in events if e.name == "train_step"})
-    assert steps == list(range(1, 9))  # overrides: 8, not the worker's 40 or the file's 30
+    assert steps == list(range(1, 9))  # the parameters' 8, not the file's 30
     committed = sorted({e.step for e in events if e.name == "checkpoint_committed"})
-    assert {3, 6, 8} <= set(committed) and not {5, 10} & set(committed)  # job_variables: 3
+    assert {3, 6, 8} <= set(committed) and not {4, 5, 10} & set(committed)
     messages = [log.message for log in _logs(job.train.id)]
     assert any("step 4/8" in m for m in messages)  # the worker's log_every 4, not the file's 10
     assert not any("step 5/8" in m or "step 10/" in m for m in messages)

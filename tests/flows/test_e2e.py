@@ -35,7 +35,7 @@ from prefect.deployments import run_deployment
 
 from infra import storage
 from infra.accounting.ett import report_for_job
-from infra.accounting.ledger import read_events
+from infra.accounting.ledger_read import read_events
 from infra.settings import dump_config
 from tests.factories import tiny_config, write_dataset
 from tests.prefect_worker import deployed_worker
@@ -134,13 +134,14 @@ def test_train_recovers_and_publishing_runs_from_the_trigger(
         {"kind": "sigterm", "step": 22, "attempt": 1},
     ]
 
-    train = _run("train/train", {"config": str(path), "faults": faults, "backoff_s": 1.0}, worker)
+    overrides = {"faults": faults, "recovery": {"backoff_s": 1.0}}
+    train = _run("train/train", {"config": str(path), "overrides": overrides}, worker)
     publish = _publish_run_for(config.job_id, train.start_time, worker)
 
     assert publish.state.is_completed(), publish.state
     assert train.end_time < publish.end_time  # training did not wait for publishing
     storage.configure(config.storage)
-    events = read_events(config.job_url)
+    events = read_events(config.layout)
     anchor = next(e for e in events if e.name == "anchor_committed")
     assert anchor.step == 30
     assert publish.parameters["uri"] == anchor.attrs["url"]
@@ -150,7 +151,7 @@ def test_train_recovers_and_publishing_runs_from_the_trigger(
     assert version.tags["anchor_uri"] == anchor.attrs["url"]
     assert {"candidate", "champion"} <= set(version.aliases)
 
-    report = report_for_job(config.job_url)
+    report = report_for_job(config.layout)
     assert report.num_failures == 2
     assert [f.cause for f in report.failures] == ["sigkill", "preempted"]
     assert all(f.resumed_at is not None and f.time_to_recover_s > 0 for f in report.failures)
@@ -192,7 +193,7 @@ def test_retrain_is_scheduled_and_warm_starts_from_the_champion(
             "config": str(path),
             "data_root": f"file://{root}",
             "job_prefix": "e2e-retrain",
-            "backoff_s": 1.0,
+            "overrides": {"recovery": {"backoff_s": 1.0}},
         },
         worker,
     )

@@ -57,7 +57,7 @@ def test_a_run_without_a_window_ends_cleanly(tmp_path: Path, prefect_server: str
 def test_a_window_trained_already_is_not_trained_again(tmp_path: Path, prefect_server: str) -> None:
     _partition(tmp_path / "daily", "2026-11-29", "_meta.json")
     config = tiny_config(tmp_path, job_id="daily-2026-11-29")
-    anchor = f"{config.job_url}/checkpoints/step-000000020"
+    anchor = f"{config.layout.url}/checkpoints/step-000000020"
     # What the trainer commits at the end: the anchor's manifest.
     manifest = Manifest(step=20, world_size=1, config_hash="h", files={}, anchor=True)
     storage.write_text(storage.join(anchor, MANIFEST), manifest.to_json())

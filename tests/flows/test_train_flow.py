@@ -7,7 +7,6 @@ the ledger, the ETT report and MLflow tracking (SQLite) are real.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,10 +21,9 @@ import flows.train_flow as train_module
 from flows.report_flow import ett_report_flow
 from infra.preflight import PreflightError
 from infra.settings import dump_config
-from tasks.attempts import LaunchSpec
 from tasks.events import ANCHOR_EVENT
 from tasks.report import artifact_key
-from tests.factories import tiny_config, write_dataset
+from tests.factories import tiny_config, use_launcher, write_dataset
 
 FAKE = str(Path(__file__).resolve().parents[1] / "fake_trainer.py")
 # No side evaluator: the fake trainer's checkpoints hold no model to evaluate (it would wait
@@ -44,8 +42,7 @@ def events(monkeypatch: pytest.MonkeyPatch) -> Iterator[EventsWorker]:
 
 @pytest.fixture
 def fake_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = functools.partial(LaunchSpec, launcher=(FAKE,))
-    monkeypatch.setattr(train_module, "LaunchSpec", fake)
+    use_launcher(monkeypatch, FAKE)
 
 
 def _anchor_events(worker: EventsWorker) -> list:
@@ -73,7 +70,8 @@ def test_train_flow_recovers_emits_anchor_and_reports(
     dump_config(config, path)
     faults = [{"kind": "crash", "step": 8, "attempt": 0}]
 
-    result = train_module.train_flow(config=str(path), faults=faults, backoff_s=0.5)
+    overrides = {"faults": faults, "recovery": {"backoff_s": 0.5}}
+    result = train_module.train_flow(config=str(path), overrides=overrides)
 
     assert result["failures"] == 1 and result["preemptions"] == 0
     assert result["anchor"]["step"] == 20
@@ -113,9 +111,8 @@ def test_train_flow_fails_clearly_and_still_reports(
     dump_config(config, path)
     faults = [{"kind": "crash", "step": 3, "attempt": a} for a in range(2)]
 
-    state = train_module.train_flow(
-        config=str(path), faults=faults, max_failures=1, backoff_s=0.1, return_state=True
-    )
+    overrides = {"faults": faults, "recovery": {"max_failures": 1, "backoff_s": 0.1}}
+    state = train_module.train_flow(config=str(path), overrides=overrides, return_state=True)
 
     assert state.is_failed()
     with pytest.raises(train_module.TrainingFailed, match="2 failures exceed max_failures=1"):

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from infra.accounting.ledger import Ledger
+from infra.job_layout import JobLayout
 
 T0 = 1_700_000_000.0
 
@@ -88,8 +89,8 @@ class _Attempt:
         self, url: str, attempt: int, plan: Plan, truth: Truth, fail_at: float, lossy: bool
     ) -> None:
         clock = lambda: T0  # noqa: E731 - every time is given explicitly
-        self.orch = Ledger(url, attempt=attempt, role="orchestrator", clock=clock)
-        self.tr = Ledger(url, attempt=attempt, clock=clock)
+        self.orch = Ledger(JobLayout.at(url), attempt=attempt, role="orchestrator", clock=clock)
+        self.tr = Ledger(JobLayout.at(url), attempt=attempt, clock=clock)
         self.plan, self.truth, self.fail_at, self.lossy = plan, truth, fail_at, lossy
         self.step_s = plan.step_s_by_attempt.get(attempt, plan.step_s)
         self.pending: tuple[int, float] | None = None  # in-flight upload: (step, commit time)

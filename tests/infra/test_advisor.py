@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from infra.accounting.ett import report_for_job
+from infra.job_layout import JobLayout
 from infra.whatif.advisor import DAY_S, advise_from_report, optimal_interval, waste_fraction
 from infra.whatif.checkpoint_cycles import segment, sweep
 from infra.whatif.simulate import SimResult, monte_carlo, replay, what_if
@@ -42,7 +43,7 @@ def test_interval_in_steps_and_upload_bound() -> None:
 
 def test_advise_from_report(tmp_path) -> None:
     _write_job(str(tmp_path / "job"))
-    r = report_for_job(str(tmp_path / "job"))
+    r = report_for_job(JobLayout.at(str(tmp_path / "job")))
     a = advise_from_report(r)  # observed: 1 failure in 36 s, C = 0.75 s, upload 0.75 s
     assert a.mtbf_s == 36.0 and a.blocking_s == 0.75 and a.upload_s == 0.75
     assert a.young_interval_s == pytest.approx(math.sqrt(2 * 0.75 * 36))
@@ -126,7 +127,7 @@ def test_steady_state_waste_matches_closed_form() -> None:
 def test_what_if_from_report(tmp_path) -> None:
     """Calibration from the hand-built job of test_ett (values computed by hand there)."""
     _write_job(str(tmp_path / "job"))
-    r = report_for_job(str(tmp_path / "job"))
+    r = report_for_job(JobLayout.at(str(tmp_path / "job")))
     model = JobModel.from_report(r)
     assert (model.work_s, model.blocking_s, model.startup_s, model.restart_s) == (9, 0.75, 10, 7.5)
     assert model.step_time_s == 9 / 5  # effective training / steps
@@ -145,8 +146,8 @@ def test_what_if_predicts_the_job_run_with_the_change(tmp_path) -> None:
     fails = ((33.0, "crash"), (95.5, "sigkill"))
     write_modeled_job(str(tmp_path / "slow"), Plan(blocking_s=2.0, failures=fails))
     write_modeled_job(str(tmp_path / "fast"), Plan(blocking_s=0.2, failures=fails))
-    slow = report_for_job(str(tmp_path / "slow"))
-    fast = report_for_job(str(tmp_path / "fast"))
+    slow = report_for_job(JobLayout.at(str(tmp_path / "slow")))
+    fast = report_for_job(JobLayout.at(str(tmp_path / "fast")))
     assert fast.ett_pct - slow.ett_pct > 5  # the change matters
     assert what_if(slow, blocking_s=0.2).ett_pct == pytest.approx(fast.ett_pct, abs=0.01)
     assert what_if(slow).ett_pct == pytest.approx(slow.ett_pct, abs=0.01)

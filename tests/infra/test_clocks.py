@@ -13,7 +13,10 @@ import pytest
 from infra.accounting import clocks
 from infra.accounting.clocks import TOLERANCE_S
 from infra.accounting.ett import report_for_job
-from infra.accounting.ledger import Event, Ledger, ledger_url, read_ledger
+from infra.accounting.ledger import Ledger
+from infra.accounting.ledger_format import Event
+from infra.accounting.ledger_read import read_ledger
+from infra.job_layout import JobLayout
 
 
 def _job(tmp_path: Path) -> str:
@@ -22,7 +25,7 @@ def _job(tmp_path: Path) -> str:
 
 def _write(job: str, attempt: int, steps: int, role: str = "trainer") -> None:
     """A process that trains ``steps`` steps of 10 ms, on the real clocks."""
-    with Ledger(job, attempt=attempt, role=role) as led:
+    with Ledger(JobLayout.at(job), attempt=attempt, role=role) as led:
         led.mark("attempt_start")
         for step in range(1, steps + 1):
             with led.span("train_step", step=step):
@@ -40,7 +43,7 @@ def _edit(job: str, name: str, change) -> None:
 def test_times_that_agree_are_kept_and_durations_are_monotonic(tmp_path: Path) -> None:
     job = _job(tmp_path)
     _write(job, 0, 5)
-    read = read_ledger(job)
+    read = read_ledger(JobLayout.at(job))
     steps = [e for e in read.events if e.name == "train_step"]
     assert read.clock.clean and read.clock.notes() == []
     for e in steps:
@@ -56,7 +59,7 @@ def test_a_flipped_digit_in_a_steps_end_never_stretches_the_wall_time(tmp_path: 
     by its monotonic reading."""
     job = _job(tmp_path)
     _write(job, 0, 20)
-    clean = report_for_job(job)
+    clean = report_for_job(JobLayout.at(job))
 
     def flip(rec: dict) -> dict:
         if rec.get("step") == 7 and rec["name"] == "train_step":
@@ -64,7 +67,7 @@ def test_a_flipped_digit_in_a_steps_end_never_stretches_the_wall_time(tmp_path: 
         return rec
 
     _edit(job, "trainer-attempt000-rank000.jsonl", flip)
-    report = report_for_job(job)
+    report = report_for_job(JobLayout.at(job))
     assert report.wall_s == pytest.approx(clean.wall_s, abs=1e-3)
     assert report.ett_pct == pytest.approx(clean.ett_pct, abs=0.01)
     assert report.num_steps == 20
@@ -77,7 +80,7 @@ def test_a_flipped_digit_in_a_steps_end_never_stretches_the_wall_time(tmp_path: 
 def test_a_corrupt_monotonic_reading_falls_back_to_the_wall_time(tmp_path: Path) -> None:
     job = _job(tmp_path)
     _write(job, 0, 10)
-    clean = report_for_job(job)
+    clean = report_for_job(JobLayout.at(job))
 
     def corrupt(rec: dict) -> dict:
         if rec.get("step") == 4 and rec["name"] == "train_step":
@@ -85,7 +88,7 @@ def test_a_corrupt_monotonic_reading_falls_back_to_the_wall_time(tmp_path: Path)
         return rec
 
     _edit(job, "trainer-attempt000-rank000.jsonl", corrupt)
-    report = report_for_job(job)
+    report = report_for_job(JobLayout.at(job))
     assert report.wall_s == pytest.approx(clean.wall_s, abs=1e-3)
     assert report.clock.retimed == 1
     assert "monotonic reading does not fit" in report.clock.notes()[1]
@@ -102,7 +105,7 @@ def test_an_event_with_no_plausible_time_is_dropped(tmp_path: Path) -> None:
         return rec
 
     _edit(job, "trainer-attempt000-rank000.jsonl", both)
-    report = report_for_job(job)
+    report = report_for_job(JobLayout.at(job))
     assert report.clock.rejected == 1
     assert report.wall_s < 10  # the job took well under a second of steps
     assert report.num_steps == 9
@@ -117,7 +120,7 @@ def test_a_process_whose_clock_ran_ahead_on_this_host_is_timed_by_its_monotonic_
     job = _job(tmp_path)
     _write(job, 0, 10)
     _write(job, 1, 10)
-    clean = report_for_job(job)
+    clean = report_for_job(JobLayout.at(job))
 
     def ahead(rec: dict) -> dict:
         for key in ("start", "end", "t"):
@@ -126,7 +129,7 @@ def test_a_process_whose_clock_ran_ahead_on_this_host_is_timed_by_its_monotonic_
         return rec
 
     _edit(job, "trainer-attempt000-rank000.jsonl", ahead)
-    report = report_for_job(job)
+    report = report_for_job(JobLayout.at(job))
     assert report.wall_s == pytest.approx(clean.wall_s, abs=1e-3)
     [offset] = report.clock.offsets
     assert offset.offset_s == pytest.approx(90.0, abs=0.01)
@@ -146,14 +149,16 @@ def test_another_hosts_lead_is_taken_from_the_bound_measured_at_resume(
     _write(job, 0, 10)
     monkeypatch.setattr(clocks, "_SHIFT", 0.0)
     monkeypatch.delenv(clocks.ENV_HOST)
-    from infra.accounting.ledger import domains_ahead
+    from infra.accounting.ledger_read import domains_ahead
 
-    ahead = domains_ahead(job)
+    ahead = domains_ahead(JobLayout.at(job))
     assert list(ahead) == ["other-host/"] and 85.0 < ahead["other-host/"] <= 90.0
-    with Ledger(job, attempt=1, role="orchestrator", clock_attrs={"ahead": ahead}) as orch:
+    with Ledger(
+        JobLayout.at(job), attempt=1, role="orchestrator", clock_attrs={"ahead": ahead}
+    ) as orch:
         orch.mark("failure", cause="crash")
     _write(job, 1, 10)
-    report = report_for_job(job)
+    report = report_for_job(JobLayout.at(job))
     assert report.wall_s < 5.0  # 20 steps of 10 ms and the gap between the writers
     assert any("host other-host ran" in note for note in report.clock.notes())
 
@@ -165,9 +170,9 @@ def test_a_host_without_any_measurement_is_named(
     monkeypatch.setenv(clocks.ENV_HOST, "unmeasured")
     _write(job, 0, 3)
     monkeypatch.delenv(clocks.ENV_HOST)
-    with Ledger(job, attempt=1, role="orchestrator") as orch:
+    with Ledger(JobLayout.at(job), attempt=1, role="orchestrator") as orch:
         orch.mark("failure", cause="crash")
-    read = read_ledger(job)
+    read = read_ledger(JobLayout.at(job))
     assert read.clock.unaligned == ("unmeasured/",)
     assert "host unmeasured has no measured offset" in read.clock.notes()[-1]
 
@@ -195,17 +200,17 @@ def test_a_ledger_of_version_1_drops_a_line_far_from_its_neighbours(tmp_path: Pa
     (folder / "trainer-attempt000-rank000.jsonl").write_text(
         "".join(json.dumps(line) + "\n" for line in lines)
     )
-    report = report_for_job(_job(tmp_path))
+    report = report_for_job(JobLayout.at(_job(tmp_path)))
     assert report.clock.rejected == 1 and report.num_steps == 7
     assert report.wall_s == pytest.approx(7.5)
 
 
 def test_a_tests_own_clock_and_hand_built_events_are_taken_as_written(tmp_path: Path) -> None:
     job = _job(tmp_path)
-    with Ledger(job, clock=lambda: 5.0) as led:
+    with Ledger(JobLayout.at(job), clock=lambda: 5.0) as led:
         led.record_span("train_step", 1.0, 2.0, step=1)
         led.record_span("train_step", 9.0e9, 9.0e9 + 1, step=2)  # a test's timeline
-    read = read_ledger(job)
+    read = read_ledger(JobLayout.at(job))
     assert [(e.start, e.end) for e in read.events] == [(1.0, 2.0), (9.0e9, 9.0e9 + 1)]
     loose = [Event("span", "train_step", 1.0, 2.0, 0, 0, 1)]
     assert clocks.align(loose, {}) == (loose, clocks.ClockCheck())
@@ -214,11 +219,13 @@ def test_a_tests_own_clock_and_hand_built_events_are_taken_as_written(tmp_path: 
 def test_the_clock_line_names_the_process_and_is_never_an_event(tmp_path: Path) -> None:
     job = _job(tmp_path)
     _write(job, 0, 1)
-    path = Path(ledger_url(job).removeprefix("file://"), "trainer-attempt000-rank000.jsonl")
+    path = Path(
+        JobLayout.at(job).ledger.removeprefix("file://"), "trainer-attempt000-rank000.jsonl"
+    )
     first = json.loads(path.read_text().splitlines()[0])
     assert first["name"] == "clock" and set(first["attrs"]) >= {"host", "boot", "pid"}
     assert abs(first["t"] - first["mono"] - (time.time() - time.monotonic())) < TOLERANCE_S
-    assert "clock" not in {e.name for e in read_ledger(job).events}
+    assert "clock" not in {e.name for e in read_ledger(JobLayout.at(job)).events}
 
 
 def test_a_wall_reading_is_believed_within_a_second_and_rejected_beyond(tmp_path: Path) -> None:
@@ -231,7 +238,7 @@ def test_a_wall_reading_is_believed_within_a_second_and_rejected_beyond(tmp_path
         return rec
 
     _edit(job, "trainer-attempt000-rank000.jsonl", off)
-    read = read_ledger(job)
+    read = read_ledger(JobLayout.at(job))
     assert read.clock.retimed == 1  # step 8's; step 3's 0.6 s is within the tolerance
     assert "(train_step step 8)" in read.clock.examples[0]
 
@@ -249,7 +256,7 @@ def test_the_report_names_the_first_three_rejected_lines_by_their_line_number(
         return rec
 
     _edit(job, "trainer-attempt000-rank000.jsonl", flip)
-    check = read_ledger(job).clock
+    check = read_ledger(JobLayout.at(job)).clock
     assert check.retimed == 4
     assert [e.split(" (")[0] for e in check.examples] == [
         f"trainer-attempt000-rank000.jsonl line {n}" for n in (4, 6, 8)
@@ -264,7 +271,7 @@ def test_times_that_agree_with_each_other_but_not_with_where_they_were_written(
     except ``scheduling`` (the flow run's wait before the process). Ending before it starts:
     dropped."""
     job = _job(tmp_path)
-    with Ledger(job) as led:
+    with Ledger(JobLayout.at(job)) as led:
         t = led.clock()
         led.record_span("scheduling", t - 3600.0, t - 1.0)
         led.record_span("launcher_init", t - 700.0, t - 0.5)
@@ -281,7 +288,7 @@ def test_times_that_agree_with_each_other_but_not_with_where_they_were_written(
         return rec
 
     _edit(job, "trainer-attempt000-rank000.jsonl", move)
-    read = read_ledger(job)
+    read = read_ledger(JobLayout.at(job))
     names = [(e.name, e.step) for e in read.events]
     assert ("scheduling", None) in names
     assert ("launcher_init", None) not in names and ("train_step", 3) not in names
@@ -305,7 +312,7 @@ def test_a_process_whose_clock_ran_behind_is_said_behind(tmp_path: Path) -> None
         return rec
 
     _edit(job, "trainer-attempt000-rank000.jsonl", behind)
-    notes = read_ledger(job).clock.notes()
+    notes = read_ledger(JobLayout.at(job)).clock.notes()
     assert len(notes) == 1 and "ran 30.0 s behind its newest process" in notes[0]
 
 

@@ -44,7 +44,10 @@ from infra.accounting.ett import (
     partition,
     report_for_job,
 )
-from infra.accounting.ledger import INIT_SPANS, Event, Ledger, ledger_url, read_events
+from infra.accounting.ledger import Ledger
+from infra.accounting.ledger_format import INIT_SPANS, Event
+from infra.accounting.ledger_read import read_events
+from infra.job_layout import JobLayout
 
 T0 = 1_700_000_000.0  # realistic Unix times: exactness must survive large magnitudes
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,10 +55,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _write_job(job_url: str) -> None:
     clock = lambda: T0  # noqa: E731 - every time below is given explicitly
-    orch0 = Ledger(job_url, attempt=0, role="orchestrator", clock=clock)
+    orch0 = Ledger(JobLayout.at(job_url), attempt=0, role="orchestrator", clock=clock)
     orch0.record_span("scheduling", T0 + 0, T0 + 2)
     orch0.record_span("launcher_init", T0 + 2, T0 + 5)
-    with Ledger(job_url, attempt=0, clock=clock) as tr:
+    with Ledger(JobLayout.at(job_url), attempt=0, clock=clock) as tr:
         tr.mark("attempt_start", t=T0 + 3)
         for name, s, e in [
             ("device_init", 3, 4),
@@ -72,10 +75,10 @@ def _write_job(job_url: str) -> None:
                 tr.mark("checkpoint_committed", step=2, t=T0 + 15)
     orch0.mark("failure", step=4, t=T0 + 20, cause="sigkill")
     orch0.close()
-    with Ledger(job_url, attempt=1, role="orchestrator", clock=clock) as orch1:
+    with Ledger(JobLayout.at(job_url), attempt=1, role="orchestrator", clock=clock) as orch1:
         orch1.record_span("scheduling", T0 + 20, T0 + 21)
         orch1.record_span("launcher_init", T0 + 21, T0 + 23)
-    with Ledger(job_url, attempt=1, clock=clock) as tr:
+    with Ledger(JobLayout.at(job_url), attempt=1, clock=clock) as tr:
         tr.mark("attempt_start", t=T0 + 22)
         tr.mark("resume", step=2, t=T0 + 23)
         for name, s, e in [
@@ -92,7 +95,7 @@ def _write_job(job_url: str) -> None:
                 tr.mark("checkpoint_committed", step=4, t=T0 + 32)
         tr.record_span("shutdown", T0 + 34, T0 + 36)
         tr.mark("job_end", t=T0 + 36)
-    with Ledger(job_url, attempt=1, rank=1, clock=clock) as r1:
+    with Ledger(JobLayout.at(job_url), attempt=1, rank=1, clock=clock) as r1:
         for step, s in [(3, 26), (4, 28.5), (5, 31.5)]:
             r1.record_span("train_step", T0 + s, T0 + s + 2.5, step=step)
         r1.record_span("shutdown", T0 + 34, T0 + 40)
@@ -119,7 +122,7 @@ def job_url(request: pytest.FixtureRequest, tmp_path) -> str:
 
 
 def test_hand_computed_buckets_and_l1_metrics(job_url: str) -> None:
-    r = report_for_job(job_url)
+    r = report_for_job(JobLayout.at(job_url))
     assert r.wall_s == 36.0 and r.start_time == T0
     assert r.buckets == EXPECTED
     assert r.ett_pct == 25.0
@@ -148,7 +151,7 @@ def test_hand_computed_buckets_and_l1_metrics(job_url: str) -> None:
 
 
 def test_startup_substages_and_critical_path(job_url: str) -> None:
-    a0, a1 = report_for_job(job_url).init
+    a0, a1 = report_for_job(JobLayout.at(job_url)).init
     assert a0.stages["launcher_init"] == 3.0 and a0.stages["pre_train"] == 2.0
     assert (a0.sum_s, a0.union_s, a0.wall_s) == (13.0, 10.0, 10.0)
     # pre_train began at 7 while train_module_creation [6,8] still ran: it is on the path;
@@ -179,13 +182,13 @@ def test_torn_last_line_is_ignored(tmp_path) -> None:
     path = tmp_path / "job" / "ledger" / "trainer-attempt001-rank000.jsonl"
     with open(path, "a") as fh:
         fh.write('{"v":1,"kind":"span","name":"train_step","start":17000')
-    assert report_for_job(url).buckets == EXPECTED
+    assert report_for_job(JobLayout.at(url)).buckets == EXPECTED
 
 
 def test_to_dict_is_json_and_metrics_are_flat(job_url: str) -> None:
     import json
 
-    r = report_for_job(job_url)
+    r = report_for_job(JobLayout.at(job_url))
     d = json.loads(json.dumps(r.to_dict()))
     assert d["buckets"] == EXPECTED and "segments" not in d
     assert d["bucket_pct"]["effective_training"] == 25.0
@@ -199,15 +202,15 @@ def test_unmarked_death_counts_as_failure_and_planned_restart_is_startup(tmp_pat
     Attempt 1 ends with a shutdown but no job_end, attempt 2 follows: a planned restart."""
     url = str(tmp_path / "job")
     for attempt, (s, e, steps) in enumerate([(0, 5, [1, 2]), (8, 12, [2, 3]), (14, 17, [4])]):
-        with Ledger(url, attempt=attempt, clock=lambda: T0) as tr:
+        with Ledger(JobLayout.at(url), attempt=attempt, clock=lambda: T0) as tr:
             tr.record_span("device_init", T0 + s, T0 + s + 1)
             for i, step in enumerate(steps):
                 tr.record_span("train_step", T0 + s + 1 + i, T0 + s + 2 + i, step=step)
             if attempt:
                 tr.record_span("shutdown", T0 + e - 1, T0 + e)
         if attempt == 2:
-            Ledger(url, attempt=2, clock=lambda: T0).mark("job_end", t=T0 + e)
-    r = report_for_job(url)
+            Ledger(JobLayout.at(url), attempt=2, clock=lambda: T0).mark("job_end", t=T0 + e)
+    r = report_for_job(JobLayout.at(url))
     assert [a.outcome for a in r.attempts] == ["failed", "stopped", "completed"]
     assert r.num_failures == 1 and r.failures[0].cause == "unobserved"
     # startup [0,1]; a0 steps [1,2] wasted? no: step 1 kept, step 2 redone -> [2,3] wasted;
@@ -229,16 +232,16 @@ def test_a_redone_step_counts_its_last_execution_not_its_first(tmp_path) -> None
     recovery [3,5] = 2 (a0's last event -> a1's first step), shutdown 1."""
     url = str(tmp_path / "job")
     clock = lambda: T0  # noqa: E731
-    with Ledger(url, attempt=0, clock=clock) as tr:
+    with Ledger(JobLayout.at(url), attempt=0, clock=clock) as tr:
         for step, s, e in [(1, 0, 1), (2, 1, 2), (3, 2, 3)]:
             tr.record_span("train_step", T0 + s, T0 + e, step=step)
-    with Ledger(url, attempt=0, role="orchestrator", clock=clock) as o:
+    with Ledger(JobLayout.at(url), attempt=0, role="orchestrator", clock=clock) as o:
         o.mark("failure", step=3, t=T0 + 4, cause="sigkill")
-    with Ledger(url, attempt=1, clock=clock) as tr:
+    with Ledger(JobLayout.at(url), attempt=1, clock=clock) as tr:
         tr.record_span("train_step", T0 + 5, T0 + 8, step=3)
         tr.record_span("shutdown", T0 + 8, T0 + 9)
         tr.mark("job_end", t=T0 + 9)
-    r = report_for_job(url)
+    r = report_for_job(JobLayout.at(url))
     assert r.wall_s == 9
     assert r.buckets["effective_training"] == 5 and r.buckets["wasted_training"] == 1
     assert r.buckets["recovery"] == 2 and r.buckets["shutdown"] == 1
@@ -255,7 +258,7 @@ def test_publishing_and_the_side_evaluator_are_not_the_jobs_time(job_url: str) -
     """Publishing (its own ledger file, role "publish") runs after the job and the side
     evaluator (role "evaluator") beside it: neither moves W nor claims any of its time."""
     clock = lambda: T0  # noqa: E731
-    with Ledger(job_url, attempt=0, role="publish", clock=clock) as pub:
+    with Ledger(JobLayout.at(job_url), attempt=0, role="publish", clock=clock) as pub:
         for name, s, e in [
             ("publish_load", 37, 38),
             ("publish_export", 38, 40),
@@ -263,10 +266,10 @@ def test_publishing_and_the_side_evaluator_are_not_the_jobs_time(job_url: str) -
             ("publish_register", 41, 42),
         ]:
             pub.record_span(name, T0 + s, T0 + e)
-    with Ledger(job_url, attempt=0, role="evaluator", clock=clock) as ev:
+    with Ledger(JobLayout.at(job_url), attempt=0, role="evaluator", clock=clock) as ev:
         ev.record_span("async_eval", T0 + 16, T0 + 26, step=2)  # over a0's death and a1's init
         ev.record_span("async_eval", T0 + 33, T0 + 45, step=4)  # past the job's end
-    r = report_for_job(job_url)
+    r = report_for_job(JobLayout.at(job_url))
     assert r.wall_s == 36.0 and r.start_time == T0
     assert r.buckets == EXPECTED
     assert [(a.attempt, a.outcome) for a in r.attempts] == [(0, "failed"), (1, "completed")]
@@ -328,8 +331,8 @@ def _random_job(rng: random.Random, url: str) -> None:
     t, step = T0 + rng.uniform(0, 1e5), 1
     n_attempts = rng.randint(1, 4)
     for attempt in range(n_attempts):
-        orch = Ledger(url, attempt=attempt, role="orchestrator", clock=lambda: T0)
-        tr = Ledger(url, attempt=attempt, clock=lambda: T0)
+        orch = Ledger(JobLayout.at(url), attempt=attempt, role="orchestrator", clock=lambda: T0)
+        tr = Ledger(JobLayout.at(url), attempt=attempt, clock=lambda: T0)
         d = rng.uniform(0, 3)
         orch.record_span("scheduling", t, t + d)
         orch.record_span("launcher_init", t + d, t + d + rng.uniform(0, 3))
@@ -366,7 +369,7 @@ def test_invariants_on_random_ledgers(tmp_path) -> None:
     for i in range(60):
         url = str(tmp_path / f"job{i}")
         _random_job(rng, url)
-        r = report_for_job(url)
+        r = report_for_job(JobLayout.at(url))
         assert set(r.buckets) == set(ett.BUCKETS)
         assert all(v >= 0 for v in r.buckets.values())
         assert math.fsum(r.buckets.values()) == pytest.approx(r.wall_s, rel=1e-9, abs=1e-12)
@@ -377,14 +380,14 @@ def test_invariants_on_random_ledgers(tmp_path) -> None:
         assert r.buckets["wasted_training"] <= r.observed_unsaved_s + 1e-9
         seg_total = math.fsum(b - a for a, b, _ in r.segments)
         assert seg_total == pytest.approx(r.wall_s, rel=1e-9, abs=1e-12)
-        assert read_events(url) and ledger_url(url).endswith("ledger")
+        assert read_events(JobLayout.at(url)) and JobLayout.at(url).ledger.endswith("ledger")
 
 
 def test_rendering(tmp_path) -> None:
     from infra.accounting.report import format_table, plot_breakdown, to_markdown
 
     _write_job(str(tmp_path / "job"))
-    r = report_for_job(str(tmp_path / "job"))
+    r = report_for_job(JobLayout.at(str(tmp_path / "job")))
     text = format_table(r)
     assert "effective_training   9.000    25.00" in text
     assert "critical path" in text and "sigkill" in text
@@ -400,18 +403,18 @@ def test_first_attempt_dies_during_init(tmp_path) -> None:
     steps 1-2 [10,14], shutdown [14,15]. startup [0,5]; recovery [5,10]; TTS = 10 (first step
     of the job, since attempt 0 never stepped)."""
     url = str(tmp_path / "job")
-    with Ledger(url, attempt=0, role="orchestrator", clock=lambda: T0) as o:
+    with Ledger(JobLayout.at(url), attempt=0, role="orchestrator", clock=lambda: T0) as o:
         o.record_span("scheduling", T0, T0 + 2)
         o.mark("failure", t=T0 + 7, cause="crash")
-    with Ledger(url, attempt=0, clock=lambda: T0) as tr:
+    with Ledger(JobLayout.at(url), attempt=0, clock=lambda: T0) as tr:
         tr.record_span("pre_train", T0 + 2, T0 + 5)
-    with Ledger(url, attempt=1, clock=lambda: T0) as tr:
+    with Ledger(JobLayout.at(url), attempt=1, clock=lambda: T0) as tr:
         tr.record_span("scheduling", T0 + 8, T0 + 9)
         tr.record_span("train_step", T0 + 10, T0 + 12, step=1)
         tr.record_span("train_step", T0 + 12, T0 + 14, step=2)
         tr.record_span("shutdown", T0 + 14, T0 + 15)
         tr.mark("job_end", t=T0 + 15)
-    r = report_for_job(url)
+    r = report_for_job(JobLayout.at(url))
     assert r.buckets["startup"] == 5 and r.buckets["recovery"] == 5
     assert r.buckets["effective_training"] == 4 and r.buckets["shutdown"] == 1
     assert r.time_to_start_s == 10 and r.num_failures == 1
@@ -424,7 +427,7 @@ def test_first_attempt_dies_during_init(tmp_path) -> None:
 def test_save_and_staging_wait_of_one_checkpoint_count_once(tmp_path) -> None:
     """An async_staged checkpoint blocks twice (the save call, then the wait for staging
     before the next step); both spans carry its step and must count as ONE checkpoint."""
-    led = Ledger(f"file://{tmp_path}/job", clock=lambda: 0.0)
+    led = Ledger(JobLayout.at(f"file://{tmp_path}/job"), clock=lambda: 0.0)
     led.mark("attempt_start", t=0.0)
     for step, start in ((1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)):
         led.record_span("train_step", start, start + 0.9, step=step)
@@ -434,7 +437,7 @@ def test_save_and_staging_wait_of_one_checkpoint_count_once(tmp_path) -> None:
     led.record_span("shutdown", 5.0, 5.5, step=4)
     led.mark("job_end", step=4, t=5.5)
     led.close()
-    report = report_for_job(f"file://{tmp_path}/job")
+    report = report_for_job(JobLayout.at(f"file://{tmp_path}/job"))
     assert report.checkpoint_blocking_total_s == pytest.approx(0.2)
     assert report.checkpoint_blocking_mean_s == pytest.approx(0.1)  # 2 checkpoints, not 3
     assert report.checkpoint_interval_s == pytest.approx(2.0)
@@ -442,14 +445,17 @@ def test_save_and_staging_wait_of_one_checkpoint_count_once(tmp_path) -> None:
 
 
 def test_the_report_names_the_last_interval_the_trainer_chose(tmp_path) -> None:
-    led = Ledger(f"file://{tmp_path}/job", clock=lambda: 0.0)
+    led = Ledger(JobLayout.at(f"file://{tmp_path}/job"), clock=lambda: 0.0)
     led.mark("checkpoint_interval", t=0.5, reason="first", interval_s=1.0)
     for step in (1, 2, 3):
         led.record_span("train_step", float(step), step + 1.0, step=step)
     led.mark("checkpoint_interval", t=2.5, reason="budget", interval_s=40.0)
     led.mark("job_end", step=3, t=4.0)
     led.close()
-    assert report_for_job(f"file://{tmp_path}/job").checkpoint_interval_reason == "budget"
+    assert (
+        report_for_job(JobLayout.at(f"file://{tmp_path}/job")).checkpoint_interval_reason
+        == "budget"
+    )
 
 
 def test_no_interval_is_made_up_without_training_or_checkpoints(tmp_path) -> None:
@@ -457,16 +463,16 @@ def test_no_interval_is_made_up_without_training_or_checkpoints(tmp_path) -> Non
     blocking span, no step). With no training there is no observed interval, and without
     checkpoints no predicted blocking, even with an interval given."""
     url = f"file://{tmp_path}/job"
-    with Ledger(url, clock=lambda: 0.0) as led:
+    with Ledger(JobLayout.at(url), clock=lambda: 0.0) as led:
         led.record_span("device_init", 0.0, 1.0)
         led.record_span("checkpoint_blocking", 1.0, 1.5, step=5)
-    r = report_for_job(url)
+    r = report_for_job(JobLayout.at(url))
     assert (r.train_loop_s, r.checkpoint_interval_s) == (0.0, None)
     assert r.predicted_unsaved_s is None and r.predicted_blocking_s is None
     bare = f"file://{tmp_path}/bare"
-    with Ledger(bare, clock=lambda: 0.0) as led:
+    with Ledger(JobLayout.at(bare), clock=lambda: 0.0) as led:
         led.record_span("train_step", 0.0, 1.0, step=1)
-    r = report_for_job(bare, interval_s=10.0)
+    r = report_for_job(JobLayout.at(bare), interval_s=10.0)
     assert r.checkpoint_interval_s == 10.0 and r.predicted_blocking_s is None
     assert r.predicted_unsaved_s == 0.0  # no failure
 
@@ -495,12 +501,12 @@ def test_a_promoted_standby_counts_from_its_promotion(tmp_path) -> None:
     (a1's restore inside it), shutdown 1. a1's pre-warm: 2 s, parked 3 s, promoted at 8."""
     url = str(tmp_path / "job")
     clock = lambda: T0  # noqa: E731
-    with Ledger(url, attempt=0, clock=clock) as tr:
+    with Ledger(JobLayout.at(url), attempt=0, clock=clock) as tr:
         tr.record_span("device_init", T0, T0 + 2)
         _steps(tr, 1, 2, 4)
-    with Ledger(url, attempt=0, role="orchestrator", clock=clock) as o:
+    with Ledger(JobLayout.at(url), attempt=0, role="orchestrator", clock=clock) as o:
         o.mark("failure", step=4, t=T0 + 8, cause="sigkill")
-    with Ledger(url, attempt=1, clock=clock) as tr:
+    with Ledger(JobLayout.at(url), attempt=1, clock=clock) as tr:
         tr.mark("attempt_start", t=T0 + 3, standby=True)
         tr.record_span("device_init", T0 + 3, T0 + 5)
         tr.mark("standby_ready", t=T0 + 5)
@@ -509,14 +515,14 @@ def test_a_promoted_standby_counts_from_its_promotion(tmp_path) -> None:
         _steps(tr, 3, 9, 3)
         tr.record_span("shutdown", T0 + 12, T0 + 13)
         tr.mark("job_end", step=5, t=T0 + 13)
-    with Ledger(url, attempt=2, clock=clock) as tr:
+    with Ledger(JobLayout.at(url), attempt=2, clock=clock) as tr:
         tr.mark("attempt_start", t=T0 + 10, standby=True)
         tr.record_span("device_init", T0 + 10, T0 + 11)
         tr.mark("standby_ready", t=T0 + 11)
-    with Ledger(url, attempt=3, clock=clock) as tr:
+    with Ledger(JobLayout.at(url), attempt=3, clock=clock) as tr:
         tr.mark("attempt_start", t=T0 + 12, standby=True)
         tr.record_span("device_init", T0 + 12, T0 + 12.5)
-    r = report_for_job(url)
+    r = report_for_job(JobLayout.at(url))
     assert r.wall_s == 13 and r.start_time == T0
     assert r.buckets == {
         "effective_training": 5,
@@ -549,18 +555,18 @@ def test_a_job_shorter_than_a_second_gets_its_percentages(tmp_path) -> None:
     url = str(tmp_path / "job")
     clock = lambda: T0  # noqa: E731
     tenth = lambda x: T0 + x / 10  # noqa: E731
-    with Ledger(url, attempt=0, clock=clock) as tr:
+    with Ledger(JobLayout.at(url), attempt=0, clock=clock) as tr:
         tr.record_span("device_init", tenth(0), tenth(1))
         for step in (1, 2):
             tr.record_span("train_step", tenth(step), tenth(step + 1), step=step)
-    with Ledger(url, attempt=0, role="orchestrator", clock=clock) as o:
+    with Ledger(JobLayout.at(url), attempt=0, role="orchestrator", clock=clock) as o:
         o.mark("failure", step=2, t=tenth(4), cause="sigkill")
-    with Ledger(url, attempt=1, clock=clock) as tr:
+    with Ledger(JobLayout.at(url), attempt=1, clock=clock) as tr:
         tr.record_span("device_init", tenth(4), tenth(5))
         for step in (2, 3):
             tr.record_span("train_step", tenth(step + 3), tenth(step + 4), step=step)
         tr.mark("job_end", step=3, t=tenth(7))
-    r = report_for_job(url)
+    r = report_for_job(JobLayout.at(url))
     assert r.wall_s == pytest.approx(0.7, abs=1e-6)
     assert r.buckets["effective_training"] == pytest.approx(0.3, abs=1e-6)
     assert r.buckets["wasted_training"] == pytest.approx(0.1, abs=1e-6)
@@ -576,7 +582,7 @@ def test_an_in_process_restart_is_a_failure_inside_the_attempt(tmp_path) -> None
     W = 10: startup 1, effective 1-2 + 3-5 = 5, wasted the first step 3 = 1, other [4,4.5]
     (step 4 ran, unrecorded, until it raised), recovery [4.5,6] = 1.5, shutdown 1."""
     url = str(tmp_path / "job")
-    with Ledger(url, clock=lambda: T0) as tr:
+    with Ledger(JobLayout.at(url), clock=lambda: T0) as tr:
         tr.record_span("device_init", T0, T0 + 1)
         _steps(tr, 1, 1, 3)
         tr.mark("in_process_restart", step=4, t=T0 + 4.5, error="RuntimeError: boom")
@@ -584,7 +590,7 @@ def test_an_in_process_restart_is_a_failure_inside_the_attempt(tmp_path) -> None
         _steps(tr, 3, 6, 3)
         tr.record_span("shutdown", T0 + 9, T0 + 10)
         tr.mark("job_end", step=5, t=T0 + 10)
-    r = report_for_job(url)
+    r = report_for_job(JobLayout.at(url))
     assert r.wall_s == 10
     expected = {"startup": 1, "effective_training": 5, "wasted_training": 1, "other": 0.5}
     assert {b: r.buckets[b] for b in expected} == expected
@@ -617,20 +623,22 @@ def _killed_attempt0(url: str, sealed: bool, tmp_path) -> None:
     shutdown [29,30]. ``sealed``: a0's trainer file is whole; else its events stop at 6 and
     the file was never sealed (an unrecovered spool on object storage)."""
     clock = lambda: T0  # noqa: E731
-    with Ledger(url, attempt=0, role="orchestrator", clock=clock) as o:
+    with Ledger(JobLayout.at(url), attempt=0, role="orchestrator", clock=clock) as o:
         o.record_span("launcher_init", T0, T0 + 1, reached_trainer=True)
         o.mark("failure", step=4, t=T0 + 20, cause="sigkill")
-    trainer = Ledger(url if sealed else str(tmp_path / "spool"), attempt=0, clock=clock)
+    trainer = Ledger(
+        JobLayout.at(url if sealed else str(tmp_path / "spool")), attempt=0, clock=clock
+    )
     trainer.mark("attempt_start", t=T0 + 1)
     _steps(trainer, 1, 2, 4)
     trainer.close()
     if not sealed:  # what the uploader had stored when the process was killed
         spool = tmp_path / "spool" / "ledger" / "trainer-attempt000-rank000.jsonl"
         name = "trainer-attempt000-rank000.jsonl/000000000000"
-        storage.write_bytes(f"{ledger_url(url)}/{name}", spool.read_bytes())
-    with Ledger(url, attempt=1, role="orchestrator", clock=clock) as o:
+        storage.write_bytes(f"{JobLayout.at(url).ledger}/{name}", spool.read_bytes())
+    with Ledger(JobLayout.at(url), attempt=1, role="orchestrator", clock=clock) as o:
         o.record_span("launcher_init", T0 + 20, T0 + 22, reached_trainer=True)
-    with Ledger(url, attempt=1, clock=clock) as tr:
+    with Ledger(JobLayout.at(url), attempt=1, clock=clock) as tr:
         tr.mark("attempt_start", t=T0 + 22)
         _steps(tr, 3, 25, 4)
         tr.record_span("shutdown", T0 + 29, T0 + 30)
@@ -642,7 +650,7 @@ def test_lost_events_are_unknown_not_recovery(tmp_path) -> None:
     recovery starts when the orchestrator saw it dead. Sealed, the same gap is recovery."""
     lost = f"memory://ett-{uuid.uuid4().hex}"
     _killed_attempt0(lost, sealed=False, tmp_path=tmp_path)
-    r = report_for_job(lost)
+    r = report_for_job(JobLayout.at(lost))
     assert r.wall_s == 30
     assert r.buckets == {
         "effective_training": 2 + 4,
@@ -663,7 +671,7 @@ def test_lost_events_are_unknown_not_recovery(tmp_path) -> None:
 
     whole = f"memory://ett-{uuid.uuid4().hex}"
     _killed_attempt0(whole, sealed=True, tmp_path=tmp_path / "b")
-    r = report_for_job(whole)
+    r = report_for_job(JobLayout.at(whole))
     assert r.buckets["unknown"] == 0 and r.buckets["recovery"] == 19
     assert (r.failures[0].died_at, r.failures[0].time_to_recover_s) == (6, 19)
 
@@ -674,23 +682,23 @@ def test_an_attempt_without_a_trainer_ledger_is_unknown(tmp_path) -> None:
     neither a0's recovery nor a1's startup claims it."""
     url = str(tmp_path / "job")
     clock = lambda: T0  # noqa: E731
-    with Ledger(url, attempt=0, role="orchestrator", clock=clock) as o:
+    with Ledger(JobLayout.at(url), attempt=0, role="orchestrator", clock=clock) as o:
         o.record_span("launcher_init", T0, T0 + 1, reached_trainer=True)
         o.mark("failure", step=5, t=T0 + 8, cause="crash")
-    with Ledger(url, attempt=0, clock=clock) as tr:
+    with Ledger(JobLayout.at(url), attempt=0, clock=clock) as tr:
         tr.mark("attempt_start", t=T0 + 1)
         _steps(tr, 1, 2, 5)
-    with Ledger(url, attempt=1, role="orchestrator", clock=clock) as o:
+    with Ledger(JobLayout.at(url), attempt=1, role="orchestrator", clock=clock) as o:
         o.record_span("launcher_init", T0 + 10, T0 + 20, reached_trainer=False)
         o.mark("failure", step=7, t=T0 + 20, cause="sigkill")
-    with Ledger(url, attempt=2, role="orchestrator", clock=clock) as o:
+    with Ledger(JobLayout.at(url), attempt=2, role="orchestrator", clock=clock) as o:
         o.record_span("launcher_init", T0 + 21, T0 + 22, reached_trainer=True)
-    with Ledger(url, attempt=2, clock=clock) as tr:
+    with Ledger(JobLayout.at(url), attempt=2, clock=clock) as tr:
         tr.mark("attempt_start", t=T0 + 22)
         _steps(tr, 6, 23, 3)
         tr.record_span("shutdown", T0 + 26, T0 + 27)
         tr.mark("job_end", t=T0 + 27)
-    r = report_for_job(url)
+    r = report_for_job(JobLayout.at(url))
     assert r.buckets["unknown"] == 10 and r.buckets["recovery"] == 3 + 3
     assert r.buckets["startup"] == 2 and r.buckets["effective_training"] == 5 + 3
     assert math.fsum(r.buckets.values()) == r.wall_s == 27
@@ -710,18 +718,18 @@ def test_a_lost_standby_is_no_attempt_no_startup_and_no_failure(tmp_path) -> Non
     standbys, in attempt order, none of them an attempt or a failure."""
     url = str(tmp_path / "job")
     clock = lambda: T0  # noqa: E731
-    with Ledger(url, attempt=0, clock=clock) as tr:
+    with Ledger(JobLayout.at(url), attempt=0, clock=clock) as tr:
         _steps(tr, 1, 0, 6)
         tr.record_span("shutdown", T0 + 6, T0 + 6.5)
         tr.mark("job_end", step=6, t=T0 + 6.5)
-    with Ledger(url, attempt=1, clock=clock) as tr:
+    with Ledger(JobLayout.at(url), attempt=1, clock=clock) as tr:
         tr.mark("attempt_start", t=T0 + 2, standby=True)
         tr.mark("standby_ready", t=T0 + 3)
-    with Ledger(url, attempt=1, role="orchestrator", clock=clock) as o:
+    with Ledger(JobLayout.at(url), attempt=1, role="orchestrator", clock=clock) as o:
         o.mark("standby_lost", t=T0 + 4, cause="sigkill", parked=True)
-    with Ledger(url, attempt=2, role="orchestrator", clock=clock) as o:
+    with Ledger(JobLayout.at(url), attempt=2, role="orchestrator", clock=clock) as o:
         o.mark("standby_lost", t=T0 + 5, cause="crash", parked=False)
-    r = report_for_job(url)
+    r = report_for_job(JobLayout.at(url))
     assert r.wall_s == 6.5 and r.finished and r.num_failures == 0
     assert [a.attempt for a in r.attempts] == [0]
     assert r.buckets["effective_training"] == 6 and r.buckets["shutdown"] == 0.5
@@ -740,17 +748,17 @@ def test_an_attempt_that_trained_is_never_dropped_as_a_standby(tmp_path) -> None
     4-6 = 6, wasted a0's 4-5 = 2; W = 12, finished."""
     url = str(tmp_path / "job")
     clock = lambda: T0  # noqa: E731
-    with Ledger(url, attempt=0, clock=clock) as tr:
+    with Ledger(JobLayout.at(url), attempt=0, clock=clock) as tr:
         _steps(tr, 1, 0, 5)
-    with Ledger(url, attempt=0, role="orchestrator", clock=clock) as o:
+    with Ledger(JobLayout.at(url), attempt=0, role="orchestrator", clock=clock) as o:
         o.mark("failure", step=5, t=T0 + 7, cause="sigkill")
-    with Ledger(url, attempt=1, clock=clock) as tr:
+    with Ledger(JobLayout.at(url), attempt=1, clock=clock) as tr:
         tr.mark("attempt_start", t=T0 + 2, standby=True)
         tr.mark("standby_ready", t=T0 + 3)
         tr.mark("attempt_start", t=T0 + 8, standby=False)
         _steps(tr, 4, 9, 3)
         tr.mark("job_end", step=6, t=T0 + 12)
-    r = report_for_job(url)
+    r = report_for_job(JobLayout.at(url))
     assert r.finished and r.num_steps == 6 and r.wall_s == 12
     assert [(a.attempt, a.outcome) for a in r.attempts] == [(0, "failed"), (1, "completed")]
     assert r.buckets["effective_training"] == 6 and r.buckets["wasted_training"] == 2
@@ -765,9 +773,9 @@ def test_a_fallback_names_its_source_and_its_redone_steps_are_counted_apart(tmp_
     one skipped) = 2 s redone because of the fallback; 7-8 would have been redone anyway."""
     url = str(tmp_path / "job")
     clock = lambda: T0  # noqa: E731
-    with Ledger(url, attempt=0, clock=clock) as tr:
+    with Ledger(JobLayout.at(url), attempt=0, clock=clock) as tr:
         _steps(tr, 1, 0, 8)
-    with Ledger(url, attempt=0, role="orchestrator", clock=clock) as o:
+    with Ledger(JobLayout.at(url), attempt=0, role="orchestrator", clock=clock) as o:
         o.mark("failure", step=8, t=T0 + 8, cause="sigkill")
     skipped = [
         {
@@ -777,7 +785,7 @@ def test_a_fallback_names_its_source_and_its_redone_steps_are_counted_apart(tmp_
             "quarantined": True,
         }
     ]
-    with Ledger(url, attempt=1, clock=clock) as tr:
+    with Ledger(JobLayout.at(url), attempt=1, clock=clock) as tr:
         tr.mark(
             "resume",
             step=4,
@@ -789,7 +797,7 @@ def test_a_fallback_names_its_source_and_its_redone_steps_are_counted_apart(tmp_
         )
         _steps(tr, 5, 10, 6)
         tr.mark("job_end", step=10, t=T0 + 16)
-    r = report_for_job(url)
+    r = report_for_job(JobLayout.at(url))
     assert r.buckets["wasted_training"] == 4 and r.fallback_redone_s == 2
     [resume] = r.resumes
     assert (resume.attempt, resume.step, resume.newest_step, resume.at) == (1, 4, 6, 9)

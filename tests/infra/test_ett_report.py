@@ -13,6 +13,7 @@ from infra import tables
 from infra.accounting.ett import BUCKETS, report_for_job
 from infra.accounting.ledger import Ledger
 from infra.accounting.report import COLORS, dominant_buckets, plot_breakdown, sections
+from infra.job_layout import JobLayout
 
 T0 = 1_700_000_000.0
 STEPS, STEP_S, GAP_S = 1200, 0.060, 0.002  # 2 ms between steps: "other" time
@@ -20,7 +21,7 @@ STEPS, STEP_S, GAP_S = 1200, 0.060, 0.002  # 2 ms between steps: "other" time
 
 def _many_short_steps(job_url: str) -> None:
     """5 s of startup, 1200 steps of 60 ms with 2 ms gaps, 2 s of shutdown."""
-    with Ledger(job_url, attempt=0, clock=lambda: T0) as tr:
+    with Ledger(JobLayout.at(job_url), attempt=0, clock=lambda: T0) as tr:
         tr.record_span("pre_train", T0, T0 + 5)
         t = T0 + 5
         for step in range(1, STEPS + 1):
@@ -54,7 +55,7 @@ def test_timeline_shows_training_between_millisecond_gaps(tmp_path: Path) -> Non
     """Thousands of 2 ms 'other' gaps must not paint over the training: the timeline is as
     green as the job was effective (up to the gaps, which are below a pixel)."""
     _many_short_steps(str(tmp_path / "job"))
-    report = report_for_job(str(tmp_path / "job"))
+    report = report_for_job(JobLayout.at(str(tmp_path / "job")))
     pct = report.bucket_pct()
     png = plot_breakdown(report, tmp_path / "ett.png")
     green = 100 * _share_of_timeline(png, "effective_training")
@@ -75,7 +76,7 @@ def test_dominant_buckets_per_slice() -> None:
 @pytest.fixture
 def report(tmp_path: Path):
     _many_short_steps(str(tmp_path / "job"))
-    return report_for_job(str(tmp_path / "job"))
+    return report_for_job(JobLayout.at(str(tmp_path / "job")))
 
 
 def test_tables_are_plain_when_piped_and_rich_in_a_terminal(report) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from infra.accounting.ett import report_for_job
+from infra.accounting.summary import JobSummary
 from infra.tracking import mlflow_runs
 from infra.whatif.fleet import FleetJob, Thresholds, find_regressions, fleet_summary
 from infra.whatif.fleet_report import PLOTS, format_fleet, write_files
@@ -41,7 +41,7 @@ def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         ):
             config = tiny_config(root, job_id=f"retrain-{i}", tracking=tracking_cfg)
             write_job(
-                config.job_url,
+                config.layout.url,
                 t0=T0 + 3600 * i,
                 startup_s=startup,
                 steps=300,
@@ -54,8 +54,9 @@ def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             if fail:  # nested attempt runs must not count as jobs
                 attempt = mlflow_runs.LedgerAttempt(0, "sigkill", -9, T0, T0 + 100, fail)
                 mlflow_runs.log_attempt(run_id, attempt)
-            reports[config.job_id] = report_for_job(config.job_url)
-            mlflow_runs.log_job_report(run_id, reports[config.job_id], config.job_url)
+            summary = JobSummary.read(config.layout)
+            reports[config.job_id] = summary.report
+            mlflow_runs.log_job_report(run_id, summary)
     # Started, not reported yet: listed as in progress, not as a job.
     mlflow_runs.start_job_run(tiny_config(root, job_id="retrain-6", tracking=tracking_cfg))
     summary = fleet_summary(store, "fleet")

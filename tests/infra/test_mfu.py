@@ -26,6 +26,7 @@ from infra.accounting.ett import report_for_job
 from infra.accounting.ledger import Ledger
 from infra.accounting.mfu import gpu_peak, mfu_for_job, mfu_metrics
 from infra.accounting.report import format_table, to_markdown
+from infra.job_layout import JobLayout
 from tests.factories import ROOT, run_trainer, tiny_config, write_dataset
 
 T0 = 1_700_000_000.0
@@ -39,7 +40,7 @@ def _write_job(job_url: str) -> None:
         (1, 10, [(3, 11, 13), (4, 13, 15)], (20, 40)),
     ]:
         for rank in (0, 1):
-            with Ledger(job_url, attempt=attempt, rank=rank, clock=clock) as led:
+            with Ledger(JobLayout.at(job_url), attempt=attempt, rank=rank, clock=clock) as led:
                 led.mark("model_flops", t=T0 + mark_t, **H200)
                 for step, s, e in steps:
                     led.record_span("train_step", T0 + s, T0 + e, step=step, flops=flops[rank])
@@ -68,9 +69,9 @@ def test_gpu_peaks_by_name_and_dtype(name: str, dtype: str, peak: float | None) 
 def test_mfu_and_ett_x_mfu_by_hand(tmp_path: Path) -> None:
     job_url = str(tmp_path / "job")
     _write_job(job_url)
-    report = report_for_job(job_url)
+    report = report_for_job(JobLayout.at(job_url))
     assert report.wall_s == 14 and report.buckets["effective_training"] == 8
-    m = mfu_for_job(job_url, report)
+    m = mfu_for_job(JobLayout.at(job_url), report)
     assert m is not None
     peak = 67e12
     assert m.model_flops == 200
@@ -78,7 +79,7 @@ def test_mfu_and_ett_x_mfu_by_hand(tmp_path: Path) -> None:
     assert m.ett_x_mfu_pct == pytest.approx(100 * 200 / (2 * peak * 14))
     assert m.ett_x_mfu_pct == pytest.approx(report.ett_pct * m.mfu_pct / 100)
     assert m.peak_flops == peak and "H200" in m.peak_source
-    metrics = mfu_metrics(job_url, report)
+    metrics = mfu_metrics(JobLayout.at(job_url), report)
     assert metrics["mfu_pct"] == m.mfu_pct and metrics["ett_x_mfu_pct"] == m.ett_x_mfu_pct
     for text in (format_table(report, m), to_markdown(report, m)):
         assert "MFU%" in text and "ETT% x MFU" in text
@@ -87,16 +88,19 @@ def test_mfu_and_ett_x_mfu_by_hand(tmp_path: Path) -> None:
 
 def test_no_flops_or_unknown_device_gives_no_mfu(tmp_path: Path) -> None:
     job_url = str(tmp_path / "job")
-    with Ledger(job_url, clock=lambda: T0) as led:
+    with Ledger(JobLayout.at(job_url), clock=lambda: T0) as led:
         led.record_span("train_step", T0 + 1, T0 + 2, step=1)
         led.mark("job_end", t=T0 + 2)
-    report = report_for_job(job_url)
-    assert mfu_for_job(job_url, report) is None and mfu_metrics(job_url, report) == {}
+    report = report_for_job(JobLayout.at(job_url))
+    assert (
+        mfu_for_job(JobLayout.at(job_url), report) is None
+        and mfu_metrics(JobLayout.at(job_url), report) == {}
+    )
     unknown = str(tmp_path / "unknown")
-    with Ledger(unknown, clock=lambda: T0) as led:
+    with Ledger(JobLayout.at(unknown), clock=lambda: T0) as led:
         led.mark("model_flops", t=T0, **{**H200, "device_name": "Some Future GPU"})
         led.record_span("train_step", T0 + 1, T0 + 2, step=1, flops=5)
-    assert mfu_for_job(unknown, report_for_job(unknown)) is None
+    assert mfu_for_job(JobLayout.at(unknown), report_for_job(JobLayout.at(unknown))) is None
 
 
 def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch) -> None:

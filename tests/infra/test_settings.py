@@ -19,7 +19,7 @@ def test_defaults_are_valid_and_hash_is_stable() -> None:
     a, b = load_config(), load_config()
     assert a.train.steps > 0
     assert a.model_hash() == b.model_hash()
-    assert a.job_url.endswith("/jobs/demo")
+    assert a.layout.url.endswith("/jobs/demo")
 
 
 def test_yaml_file_and_env_override(tmp_path, monkeypatch) -> None:
@@ -30,17 +30,38 @@ def test_yaml_file_and_env_override(tmp_path, monkeypatch) -> None:
     assert (config.job_id, config.train.steps, config.train.seed) == ("j1", 9, 3)
 
 
-def test_overrides_win_over_env_which_wins_over_the_file(tmp_path, monkeypatch) -> None:
-    """A run's parameters (overrides) > ETT_* (the worker's environment) > the file; the
-    ranks load the resolved config as it is, whatever their environment says."""
+def test_the_precedence_chain_defaults_file_overrides_environment(tmp_path, monkeypatch) -> None:
+    """embedded defaults < the file < overrides (a run's parameters) < ETT_* (the place the
+    job runs in), one field per step of the chain; the ranks load the resolved config as it
+    is, whatever their own environment says."""
     path = tmp_path / "job.yaml"
-    path.write_text("train:\n  steps: 7\n  log_every: 3\n  seed: 3\n")
-    monkeypatch.setenv("ETT_TRAIN__STEPS", "9")
+    path.write_text("train:\n  seed: 3\n  steps: 7\n  log_every: 3\nrecovery:\n  max_failures: 5\n")
     monkeypatch.setenv("ETT_TRAIN__LOG_EVERY", "4")
-    config = load_config(path, train={"steps": 11})
-    assert (config.train.steps, config.train.log_every, config.train.seed) == (11, 4, 3)
+    monkeypatch.setenv("ETT_RECOVERY__MAX_FAILURES", "6")
+    config = load_config(path, train={"steps": 11, "log_every": 12}, recovery={"max_failures": 8})
+    default = JobConfig.model_fields["train"].default
+    assert config.train.eval_every == default.eval_every  # nobody says: the default
+    assert config.train.seed == 3  # the file over the default
+    assert config.train.steps == 11  # the overrides over the file
+    assert config.train.log_every == 4  # the environment over the overrides
+    assert config.recovery.max_failures == 6  # ...in every section
     dump_config(config, tmp_path / "resolved.yaml")
-    assert load_resolved(tmp_path / "resolved.yaml").train.steps == 11
+    monkeypatch.setenv("ETT_TRAIN__LOG_EVERY", "99")
+    monkeypatch.setenv("ETT_TRAIN__STEPS", "99")
+    resolved = load_resolved(tmp_path / "resolved.yaml")
+    assert (resolved.train.steps, resolved.train.log_every) == (11, 4)
+
+
+def test_launch_and_recovery_sections_hold_the_jobs_knobs_once() -> None:
+    """What an orchestrator needs is config, with one default each: the watch timeouts, the
+    retry policy and the launch shape (tasks/orchestrator.py reads nothing else)."""
+    config = load_config(launch={"nproc": 2}, recovery={"hang_timeout_s": 30})
+    assert (config.launch.nproc, config.launch.nnodes, config.launch.agent_pool) == (2, 1, None)
+    rec = config.recovery
+    assert (rec.max_failures, rec.backoff_s, rec.hang_timeout_s) == (3, 10.0, 30.0)
+    assert rec.startup_timeout_s == 900.0
+    with pytest.raises(ConfigError, match="launch.nproc"):
+        load_config(launch={"nproc": 0})
 
 
 def test_toml_file(tmp_path) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from infra.accounting.ett import report_for_job
+from infra.job_layout import JobLayout
 from infra.whatif.advisor import DAY_S
 from infra.whatif.projection import gpu_grid, project, scaled
 from infra.whatif.scaling import LLAMA3_FAILURES_PER_GPU_DAY, TABLE_GPUS, ScalingLaws
@@ -135,7 +136,7 @@ def test_validation_hand_computed(tmp_path: Path) -> None:
         str(tmp_path / "job"), Plan(failures=((40.2, "crash"), (80.0, "preempted")))
     )
     assert truth.wall_s == pytest.approx(125.7) and truth.wasted_steps == 3
-    v = validate(report_for_job(str(tmp_path / "job")))
+    v = validate(report_for_job(JobLayout.at(str(tmp_path / "job"))))
     assert v.measured.ett_pct == pytest.approx(100 * 100 / 125.7)
     m = v.model
     assert (m.work_s, m.step_time_s, m.interval_s, m.blocking_s, m.upload_s) == pytest.approx(
@@ -179,7 +180,7 @@ UPLOAD_BOUND = Plan(upload_s=14.0, gap_s=0.1, failures=((33.0, "crash"), (62.0, 
 )
 def test_validation_on_modeled_jobs(tmp_path: Path, plan: Plan, tolerance_pts: float) -> None:
     truth = write_modeled_job(str(tmp_path / "job"), plan)
-    v = validate(report_for_job(str(tmp_path / "job")))
+    v = validate(report_for_job(JobLayout.at(str(tmp_path / "job"))))
     assert v.measured.wall_s == pytest.approx(truth.wall_s, abs=1e-5)
     assert abs(v.error_pts) <= tolerance_pts, v.rows()
     # At a steady step time, placing the failures at their wall times agrees.
@@ -200,7 +201,7 @@ def test_validation_places_failures_where_they_struck_in_the_job(tmp_path: Path)
     fails = ((90.5, "crash"), (230.4, "sigkill"))
     plan = Plan(steps=300, every=20, step_s_by_attempt={2: 1.3}, upload_s=2.0, failures=fails)
     truth = write_modeled_job(str(tmp_path / "job"), plan)
-    v = validate(report_for_job(str(tmp_path / "job")))
+    v = validate(report_for_job(JobLayout.at(str(tmp_path / "job"))))
     assert truth.wasted_steps == 12
     assert abs(v.predicted_at_times.ett_pct - v.measured.ett_pct) > 3
     assert abs(v.error_pts) < 0.5, v.rows()
@@ -211,7 +212,7 @@ def test_validation_needs_a_finished_job(tmp_path: Path) -> None:
     write_modeled_job(url, Plan(failures=((40.2, "crash"),)))
     (Path(url) / "ledger" / "trainer-attempt001-rank000.jsonl").unlink()  # no job_end
     with pytest.raises(ValueError, match="did not finish"):
-        validate(report_for_job(url), "baseline")
+        validate(report_for_job(JobLayout.at(url)), "baseline")
 
 
 def test_failure_events_carry_kind_and_cost() -> None:
@@ -270,32 +271,22 @@ def test_ett_simulate_bad_input_is_one_line(tmp_path: Path) -> None:
 
 
 # -- a real job ---------------------------------------------------------------------------------
-def _processes_mentioning(text: str) -> list[str]:
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            line = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in line:
-            found.append(line)
-    return found
-
-
 @pytest.mark.slow
 def test_validation_of_a_real_job_with_failures(tmp_path: Path) -> None:
     """The real trainer under torchrun, the orchestrator's attempt loop with its standby, a
     crash (recovered in process), a SIGKILL and a preemption (each a promoted standby): the
     replay of its own failures lands within 3 ETT points."""
-    from infra.settings import dump_config
-    from tasks.attempts import JobRunner, LaunchSpec, RetryPolicy
+    from tasks.orchestrator import run
+    from tests import procs
     from tests.factories import tiny_config, write_dataset
+    from tests.procs import MARKER
 
     config = tiny_config(
         tmp_path,
         job_id="simulate-real",
         train={"steps": 1000, "log_every": 100},
         checkpoint={"every_steps": 100},
+        recovery={"max_failures": 3, "backoff_s": 0},
         faults=[
             {"kind": "crash", "step": 246, "attempt": 0},
             {"kind": "sigkill", "step": 596, "attempt": 0},
@@ -303,14 +294,12 @@ def test_validation_of_a_real_job_with_failures(tmp_path: Path) -> None:
         ],
     )
     write_dataset(config)
-    path = tmp_path / "job.yaml"
-    dump_config(config, path)
-    spec = LaunchSpec(str(path), env={"OMP_NUM_THREADS": "1"})
-    outcome = JobRunner(config.job_url, spec, RetryPolicy(max_failures=3, backoff_s=0)).run()
+    marker = {MARKER: str(tmp_path)}
+    outcome = run(config, env={"OMP_NUM_THREADS": "1", **marker}).outcome
     assert outcome.succeeded, outcome.message
-    assert _processes_mentioning(str(path)) == []
+    assert procs.carrying(**marker) == []
 
-    report = report_for_job(config.job_url)
+    report = report_for_job(config.layout)
     assert [f.cause for f in report.failures] == ["crash", "sigkill", "preempted"]
     assert report.num_step_executions - report.num_steps == 45 + 95  # redone steps
     v = validate(report, "real")

@@ -24,8 +24,11 @@ from mlflow.exceptions import MlflowException
 
 from infra import storage
 from infra.accounting.ett import report_for_job
-from infra.accounting.ledger import Ledger, ledger_url, read_events
+from infra.accounting.ledger import Ledger
+from infra.accounting.ledger_read import read_events
 from infra.accounting.report import format_table
+from infra.accounting.summary import JobSummary
+from infra.job_layout import JobLayout
 from infra.settings import JobConfig
 from infra.tracking import client as mlflow_client
 from infra.tracking import mlflow_runs, run_metadata
@@ -64,8 +67,8 @@ def write_job(
     its loss (``loss_at``), an eval every ``eval_every`` steps its AUC (``auc_at``)."""
     clock = lambda: t0  # noqa: E731 - all times are explicit
     attempt, t = 0, t0
-    orch = Ledger(job_url, attempt=0, role="orchestrator", clock=clock)
-    tr = Ledger(job_url, attempt=0, clock=clock)
+    orch = Ledger(JobLayout.at(job_url), attempt=0, role="orchestrator", clock=clock)
+    tr = Ledger(JobLayout.at(job_url), attempt=0, clock=clock)
     orch.record_span("scheduling", t, t + 0.2 * startup_s)
     tr.record_span("device_init", t + 0.2 * startup_s, t + 0.5 * startup_s)
     tr.record_span("pre_train", t + 0.5 * startup_s, t + startup_s)
@@ -88,8 +91,8 @@ def write_job(
             orch.mark("failure", step=step, t=t + 0.5, cause="sigkill", exit_code=-9)
             orch.close()
             attempt = 1
-            orch = Ledger(job_url, attempt=1, role="orchestrator", clock=clock)
-            tr = Ledger(job_url, attempt=1, clock=clock)
+            orch = Ledger(JobLayout.at(job_url), attempt=1, role="orchestrator", clock=clock)
+            tr = Ledger(JobLayout.at(job_url), attempt=1, clock=clock)
             orch.record_span("scheduling", t + 0.5, t + 2.0)
             tr.record_span("pre_train", t + 2.0, t + restart_s)
             tr.mark("resume", step=last_ckpt, t=t + restart_s)
@@ -145,9 +148,9 @@ def test_job_run_holds_report_curves_attempts_and_artifacts(
     tmp_path: Path, store: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = _config(tmp_path, store, "job-report", monkeypatch)
-    write_job(config.job_url, fail_after=7, eval_every=5)
-    events = read_events(config.job_url)
-    report = report_for_job(config.job_url)
+    write_job(config.layout.url, fail_after=7, eval_every=5)
+    events = read_events(config.layout)
+    report = report_for_job(config.layout)
     assert report.num_failures == 1 and report.observed_unsaved_s == 2.0
 
     run_id = mlflow_runs.start_job_run(config)
@@ -155,8 +158,7 @@ def test_job_run_holds_report_curves_attempts_and_artifacts(
     children = [mlflow_runs.log_attempt(run_id, a, tracking_uri=store) for a in attempts]
     logged = mlflow_runs.log_job_report(
         run_id,
-        report,
-        config.job_url,
+        JobSummary.read(config.layout),
         extra_metrics={"advisor.interval_s": 12.5},
         data_url=config.data.url,
     )
@@ -165,7 +167,7 @@ def test_job_run_holds_report_curves_attempts_and_artifacts(
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "job-report"
     tags = run.data.tags
-    assert tags["ett.job_id"] == "job-report" and tags["ett.job_url"] == config.job_url
+    assert tags["ett.job_id"] == "job-report" and tags["ett.job_url"] == config.layout.url
     # Source and commit (the UI's Source column), a description naming the two holdout AUCs.
     assert tags["mlflow.source.name"] == "flows/train_flow.py"
     assert tags["mlflow.source.type"] == "JOB"
@@ -234,7 +236,7 @@ def test_job_run_holds_report_curves_attempts_and_artifacts(
     assert (dst / "ett" / "report.txt").read_text() == format_table(report)
     assert json.loads((dst / "ett" / "report.json").read_text())["ett_pct"] == report.ett_pct
     assert (dst / "ett" / "report.md").read_text().startswith("# ETT report")
-    ledger_files = storage.glob(storage.join(ledger_url(config.job_url), "*.jsonl"))
+    ledger_files = storage.glob(storage.join(config.layout.ledger, "*.jsonl"))
     assert len(ledger_files) == 4
     for url in ledger_files:
         assert (dst / "ledger" / url.rsplit("/", 1)[-1]).read_bytes() == storage.read_bytes(url)
@@ -270,8 +272,8 @@ def test_a_job_run_again_keeps_its_one_run(
         first, b, tracking_uri=store
     )
     # A job that finished and is run again continues in its run: one run per job.
-    write_job(config.job_url)
-    mlflow_runs.log_job(config, first, succeeded=True)
+    write_job(config.layout.url)
+    mlflow_runs.log_job(config, JobSummary.read(config.layout), first, succeeded=True)
     assert client.get_run(first).info.status == "FINISHED"
     again = mlflow_runs.start_job_run(config)
     assert again == first and client.get_run(first).info.status == "RUNNING"
@@ -286,8 +288,8 @@ def test_a_job_is_logged_whole_from_its_ledger_later(
     attempts and curves from the ledger, in batches (1,500 steps: more than one log_batch
     request holds); logging it again adds nothing."""
     config = _config(tmp_path, store, "job-late", monkeypatch)
-    write_job(config.job_url, steps=1500, ckpt_every=100, fail_after=150, eval_every=500)
-    run_id, scalars = mlflow_runs.log_job(config)
+    write_job(config.layout.url, steps=1500, ckpt_every=100, fail_after=150, eval_every=500)
+    run_id, scalars = mlflow_runs.log_job(config, JobSummary.read(config.layout))
 
     client = MlflowClient(tracking_uri=store)
     run = client.get_run(run_id)
@@ -299,7 +301,7 @@ def test_a_job_is_logged_whole_from_its_ledger_later(
     got = sorted((c.data.tags["ett.attempt"], c.data.tags["ett.outcome"]) for c in children)
     assert got == [("0", "sigkill"), ("1", "success")]
 
-    assert mlflow_runs.log_job(config)[0] == run_id
+    assert mlflow_runs.log_job(config, JobSummary.read(config.layout))[0] == run_id
     assert len(client.get_metric_history(run_id, "trainer.loss")) == 1500
     assert len(client.search_runs([run.info.experiment_id], "tags.`ett.job_id` = 'job-late'")) == 1
     assert (

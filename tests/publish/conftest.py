@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from infra import storage
-from infra.accounting.ledger import read_events
+from infra.accounting.ledger_read import read_events
 from infra.settings import JobConfig
 from tests.factories import run_trainer, tiny_config, write_dataset
 
@@ -73,7 +73,7 @@ def trained_job(
             f"2-process training failed (exit {proc.returncode}):\n"
             f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
         )
-    anchors = [e for e in read_events(config.job_url) if e.name == "anchor_committed"]
+    anchors = [e for e in read_events(config.layout) if e.name == "anchor_committed"]
     assert anchors, "the trainer committed no anchor checkpoint"
     anchor_url = anchors[-1].attrs["url"]
     s3_anchor = f"s3://ett/jobs/{JOB_ID}/checkpoints/{anchor_url.rstrip('/').rsplit('/', 1)[-1]}"
@@ -90,10 +90,10 @@ def trained_job(
     client.set_terminated(run.info.run_id, "FINISHED")
     return TrainedJob(
         config=config,
-        job_url=config.job_url,
+        job_url=config.layout.url,
         anchor_url=anchor_url,
         s3_anchor_url=s3_anchor,
-        step10_url=storage.join(config.job_url, "checkpoints", "step-000000010"),
+        step10_url=storage.join(config.layout.url, "checkpoints", "step-000000010"),
         training_run_id=run.info.run_id,
         tracking_uri=mlflow_server,
         registered_model=REGISTERED_MODEL,

@@ -18,11 +18,12 @@ import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
 
+from infra.checkpoint_manifest import MANIFEST, Manifest
+from infra.job_layout import step_dir_name
 from publish import registry, validate
 from publish.pipeline import publish
 from publish.registry import ChampionScore, should_promote
 from publish.settings import PublishError, make_settings
-from trainer.checkpoint.manifest import MANIFEST, Manifest, step_dir_name
 
 CHAMPION = ChampionScore(version="3", auc=0.75)
 BELOW = math.nextafter  # the float just below x: nextafter(x, 0)

@@ -35,14 +35,16 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from infra import storage
-from infra.accounting.ledger import PUBLISH_SPANS, read_events
+from infra.accounting.ledger_format import PUBLISH_SPANS
+from infra.accounting.ledger_read import read_events
+from infra.checkpoint_manifest import CommittedCheckpoint, read_manifest
+from infra.job_layout import JobLayout
 from publish import registry, serving
 from publish.load import resolve
 from publish.pipeline import publish
 from publish.settings import PublishError
 from tests.factories import ROOT
 from tests.publish.conftest import TrainedJob, _copy_tree
-from trainer.checkpoint.manifest import CommittedCheckpoint, read_manifest
 from trainer.checkpoint.restore import load_into
 from trainer.data.sequential import holdout_batches
 from trainer.holdout_metrics import predict
@@ -164,7 +166,7 @@ def test_two_rank_anchor_is_published_from_one_cpu_process(
 
     # The publisher's own spans, in the job's ledger next to the S3 anchor.
     s3_job_url = job.s3_anchor_url.rsplit("/checkpoints/", 1)[0]
-    spans = [e for e in read_events(s3_job_url) if e.name in PUBLISH_SPANS]
+    spans = [e for e in read_events(JobLayout.at(s3_job_url)) if e.name in PUBLISH_SPANS]
     assert [e.name for e in spans] == list(PUBLISH_SPANS)
     assert all(e.attrs["ok"] and e.step == 20 for e in spans)
     assert storage.exists(f"{s3_job_url}/ledger/publish-attempt000-rank000.jsonl")
@@ -362,7 +364,11 @@ def test_prefect_flow_publishes_once(
     assert not first["already_published"] and "candidate" in first["aliases"]
     assert first["metrics"]["publish.parity_max_abs_diff"] <= 1e-5
     assert again["already_published"] and again["version"] == first["version"]
-    spans = [e.name for e in read_events(f"file://{dst.parents[1]}") if e.name in PUBLISH_SPANS]
+    spans = [
+        e.name
+        for e in read_events(JobLayout.at(f"file://{dst.parents[1]}"))
+        if e.name in PUBLISH_SPANS
+    ]
     assert spans == list(PUBLISH_SPANS)
 
 
@@ -370,7 +376,8 @@ def _nan_copy(job: TrainedJob, dst: Path) -> str:
     """A committed copy of the anchor whose model weights are all NaN (valid checksums)."""
     import torch.distributed.checkpoint as dcp
 
-    from trainer.checkpoint.manifest import MANIFEST, FileEntry, Manifest, sha256_file
+    from infra.checkpoint_manifest import MANIFEST, FileEntry, Manifest
+    from trainer.checkpoint.verify import sha256_file
 
     config = job.config
     model = RankingModel(config.data, config.model)
@@ -478,7 +485,8 @@ class _Trap:
 def _tampered_copy(job: TrainedJob, dst: Path, mlflow_uri: str, s3_endpoint: str) -> None:
     """A committed copy of the anchor whose config.yaml points MLflow and S3 at other hosts
     (with a manifest that matches it: whoever writes a checkpoint can write both)."""
-    from trainer.checkpoint.manifest import MANIFEST, FileEntry, sha256_file
+    from infra.checkpoint_manifest import MANIFEST, FileEntry
+    from trainer.checkpoint.verify import sha256_file
 
     shutil.copytree(storage.local_path(job.anchor_url), dst)
     config = yaml.safe_load((dst / "config.yaml").read_text())

@@ -7,11 +7,11 @@ import pandas as pd
 import pytest
 import torch
 
+from infra.checkpoint_manifest import Manifest
 from infra.settings import DataConfig, ModelConfig
 from publish import serving
 from publish.load import AnchorRef
 from publish.settings import PublishError, make_settings
-from trainer.checkpoint.manifest import Manifest
 from trainer.data.batch import Batch
 from trainer.model import RankingModel, batch_to_kjts
 
@@ -90,10 +90,10 @@ def test_exported_weights_reload_with_weights_only(tmp_path) -> None:
 def test_anchor_key_and_job_url() -> None:
     manifest = Manifest(step=20, world_size=2, config_hash="h", files={}, anchor=True, job_id="j")
     ref = AnchorRef("s3://b/jobs/j/checkpoints/step-000000020/", manifest, "a" * 64)
-    assert ref.job_url == "s3://b/jobs/j"
+    assert ref.layout.url == "s3://b/jobs/j"
     assert ref.key == AnchorRef(ref.uri.rstrip("/"), manifest, "a" * 64).key
     assert ref.key != AnchorRef(ref.uri, manifest, "b" * 64).key
-    assert AnchorRef("file:///x/step-1", manifest, "a" * 64).job_url is None
+    assert AnchorRef("file:///x/step-1", manifest, "a" * 64).layout is None
 
 
 def test_bad_settings_are_publish_errors() -> None:

@@ -27,6 +27,7 @@ from infra import storage
 from infra.settings import JobConfig, dump_config
 from tests import procs
 from tests.factories import ROOT
+from tests.procs import MARKER
 
 ETT = Path(sys.executable).with_name("ett")  # the console script of the installed package
 SHM = Path("/dev/shm")
@@ -34,7 +35,6 @@ SHM = Path("/dev/shm")
 # every torch program of this user shares it. Not the job's, so not its to remove.
 SHARED = frozenset({f"torchinductor_{getpass.getuser()}"})
 GONE_WITHIN_S = 30.0  # how long an exited job's processes and shm entries may take to go
-MARKER = "ETT_TEST_JOB_MARKER"  # in the environment of every process a test's job starts
 
 
 class EttTrain:
@@ -102,7 +102,7 @@ class EttTrain:
     def ledger_says(self, name: str, mark: str) -> bool:
         """Whether ledger file ``name`` (``trainer-attempt001-rank000.jsonl``) holds a
         ``mark`` line: read as text, as ``tail -f`` would."""
-        path = Path(storage.local_path(self.config.job_url) or "", "ledger", name)
+        path = Path(storage.local_path(self.config.layout.url) or "", "ledger", name)
         try:
             return f'"name":"{mark}"' in path.read_text(errors="replace")
         except OSError:

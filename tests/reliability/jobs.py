@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from infra import processes, storage
+from infra.job_layout import JobLayout, step_dir_name
 from infra.settings import JobConfig, dump_config
 from tests.factories import ROOT, tiny_config, trainer_command
-from trainer.checkpoint.manifest import checkpoints_url, step_dir_name
 
 
 def job_config(tmp_path: Path, data_url: str, steps: int, **sections: Any) -> JobConfig:
@@ -37,7 +37,7 @@ def job_config(tmp_path: Path, data_url: str, steps: int, **sections: Any) -> Jo
 
 
 def step_folder(job_url: str, step: int) -> str:
-    return storage.join(checkpoints_url(job_url), step_dir_name(step))
+    return storage.join(JobLayout.at(job_url).checkpoints, step_dir_name(step))
 
 
 def s3_root() -> str:

@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from infra import storage
+from infra.checkpoint_manifest import committed_checkpoints
 from infra.exit_codes import ExitCode, Outcome, outcome_of
 from tests.reliability.jobs import job_config, run_to_end
-from trainer.checkpoint.manifest import committed_checkpoints
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ def test_too_many_bad_rows_fail_with_bad_data_naming_file_and_row(
     assert "/train/part-" in line and ".parquet:" in line, line
     assert "more than data.max_bad_row_fraction=0.01" in line, line
     assert "label not 0/1" in line and " row " in line, line
-    assert committed_checkpoints(config.job_url) == []  # nothing trained on it
+    assert committed_checkpoints(config.layout) == []  # nothing trained on it
 
 
 def test_bad_rows_below_the_limit_are_skipped_and_counted(tmp_path: Path, data_url: str) -> None:

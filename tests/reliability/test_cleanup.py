@@ -20,9 +20,11 @@ from typing import Any
 import pytest
 
 from infra import storage
-from infra.accounting.ledger import Span, read_events
+from infra.accounting.ledger_format import Span
+from infra.accounting.ledger_read import read_events
 from infra.checkpoint_manifest import MANIFEST, Manifest, committed_checkpoints
 from infra.exit_codes import ExitCode
+from infra.job_layout import JobLayout
 from tests.reliability.ett_job import EttTrain
 from tests.reliability.jobs import job_config, s3_root
 
@@ -51,7 +53,7 @@ def last_step(job_url: str, attempt: int) -> int:
     """The last training step the attempt's rank 0 finished, from its ledger."""
     steps = [
         e.step
-        for e in read_events(job_url)
+        for e in read_events(JobLayout.at(job_url))
         if e.name == Span.TRAIN_STEP and e.attempt == attempt and e.rank == 0
     ]
     assert steps, "no training step in the ledger"
@@ -83,8 +85,8 @@ def test_ctrl_c_exits_130_after_an_emergency_checkpoint(
     job.signal(signal.SIGINT)
     assert job.wait() == 130, job.tail()
     assert "stopped: the running attempt was preempted" in job.stderr()
-    [checkpoint] = committed_checkpoints(config.job_url)
-    stopped_at = last_step(config.job_url, attempt=0)
+    [checkpoint] = committed_checkpoints(config.layout)
+    stopped_at = last_step(config.layout.url, attempt=0)
     assert checkpoint.step == stopped_at >= 25
     assert f"preempted: saving at step {stopped_at} " in job.stderr()
     job.assert_left_nothing()

@@ -15,10 +15,12 @@ from pathlib import Path
 import pytest
 
 from infra import storage
-from infra.accounting.ledger import read_events
+from infra.accounting.ledger_read import read_events
+from infra.checkpoint_manifest import committed_checkpoints
 from infra.exit_codes import ExitCode
+from infra.job_layout import JobLayout
 from tests.reliability.jobs import Trainer, job_config, run_to_end, step_folder
-from trainer.checkpoint.manifest import committed_checkpoints, verify_files
+from trainer.checkpoint.verify import verify_files
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +29,7 @@ def _commits(job_url: str, step: int) -> list[tuple[int, int]]:
     """(attempt, rank) of every commit of ``step`` in the job's ledger."""
     return [
         (e.attempt, e.rank)
-        for e in read_events(job_url)
+        for e in read_events(JobLayout.at(job_url))
         if e.name == "checkpoint_committed" and e.step == step
     ]
 
@@ -41,22 +43,22 @@ def test_sigterm_at_committed_step_does_not_rewrite_it(tmp_path: Path, data_url:
     )
     code, out = run_to_end(config, tmp_path, nproc=2)
     assert code == ExitCode.PREEMPTED, out[-3000:]
-    assert _commits(config.job_url, 5) == [(0, 0)]  # once, by the periodic save
+    assert _commits(config.layout.url, 5) == [(0, 0)]  # once, by the periodic save
     assert out.count("preempted: saving at step 5") == 2  # rank 0 and rank 1
     assert out.count("checkpoint at step 5 is committed already") == 2, out[-3000:]
     # Neither rank failed its save (torchrun may SIGTERM the second one to exit).
     assert "86" not in re.findall(r"exitcode\s*:\s*(-?\d+)", out), out[-3000:]
-    folder = storage.local_path(step_folder(config.job_url, 5))
+    folder = storage.local_path(step_folder(config.layout.url, 5))
     assert folder is not None
     markers = sorted(n for n in os.listdir(folder) if n.startswith("_done"))
-    [newest] = committed_checkpoints(config.job_url)
+    [newest] = committed_checkpoints(config.layout)
     nonce = newest.manifest.nonce
     assert newest.step == 5 and markers == [f"_done.rank00{r}.{nonce}.json" for r in (0, 1)]
     verify_files(newest.url, newest.manifest)
 
     code, out = run_to_end(config, tmp_path, nproc=2)  # attempt 1 resumes from exactly step 5
     assert code == ExitCode.SUCCESS, out[-3000:]
-    resumes = {(e.attempt, e.step) for e in read_events(config.job_url) if e.name == "resume"}
+    resumes = {(e.attempt, e.step) for e in read_events(config.layout) if e.name == "resume"}
     assert resumes == {(1, 5)}
 
 
@@ -68,7 +70,7 @@ def test_preemption_during_init_does_not_rewrite_the_resumed_checkpoint(
     first = job_config(tmp_path, data_url, steps=5)
     code, out = run_to_end(first, tmp_path)
     assert code == ExitCode.SUCCESS, out[-3000:]
-    [anchor] = committed_checkpoints(first.job_url)
+    [anchor] = committed_checkpoints(first.layout)
     before = {
         name: os.stat(os.path.join(storage.local_path(anchor.url) or "", name)).st_mtime_ns
         for name in os.listdir(storage.local_path(anchor.url) or "")
@@ -81,7 +83,7 @@ def test_preemption_during_init_does_not_rewrite_the_resumed_checkpoint(
     def initialising() -> bool:
         """Attempt 1's first init stage is done: its SIGTERM handler is installed, and
         building the model and restoring still take seconds."""
-        events = [e for e in read_events(more.job_url) if e.attempt == 1]
+        events = [e for e in read_events(more.layout) if e.attempt == 1]
         if not any(e.name == "device_init" for e in events):
             return False
         started.extend(int(e.attrs["pid"]) for e in events if e.name == "attempt_start")
@@ -97,9 +99,9 @@ def test_preemption_during_init_does_not_rewrite_the_resumed_checkpoint(
         trainer.assert_gone()
     out = trainer.output()
     assert code == ExitCode.PREEMPTED, out[-3000:]
-    events = [e for e in read_events(more.job_url) if e.attempt == 1]
+    events = [e for e in read_events(more.layout) if e.attempt == 1]
     assert not [e for e in events if e.name in ("train_step", "checkpoint_committed")]
-    [same] = committed_checkpoints(more.job_url)
+    [same] = committed_checkpoints(more.layout)
     after = {
         n: os.stat(os.path.join(storage.local_path(same.url) or "", n)).st_mtime_ns for n in before
     }

@@ -17,10 +17,10 @@ import pytest
 import yaml
 
 from infra import storage
+from infra.checkpoint_manifest import committed_checkpoints
 from infra.exit_codes import ExitCode
 from tests.factories import ROOT
 from tests.reliability.jobs import job_config, run_to_end
-from trainer.checkpoint.manifest import committed_checkpoints
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +88,7 @@ def test_mlflow_credentials_never_reach_a_checkpoint(tmp_path: Path, data_url: s
     config = job_config(tmp_path, data_url, steps=3, tracking={"mlflow_uri": uri})
     code, out = run_to_end(config, tmp_path)
     assert code == ExitCode.SUCCESS, out[-3000:]
-    [anchor] = committed_checkpoints(config.job_url)
+    [anchor] = committed_checkpoints(config.layout)
     stored = storage.read_text(storage.join(anchor.url, "config.yaml"))
     assert "mlflow_uri: http://***@127.0.0.1:9/" in stored, stored
     assert SECRET not in stored and SECRET not in out

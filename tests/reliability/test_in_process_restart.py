@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from infra.accounting.ett import report_for_job
-from infra.accounting.ledger import Mark, read_events
+from infra.accounting.ledger_format import Mark
+from infra.accounting.ledger_read import read_events
 from infra.exit_codes import ExitCode
 from tests.reliability.jobs import job_config, run_to_end
 
@@ -24,7 +25,7 @@ def test_a_crash_with_in_process_restart_off_is_no_in_process_restart(
     )
     code, out = run_to_end(config, tmp_path)
     assert code == ExitCode.CRASH, out[-3000:]
-    assert [e for e in read_events(config.job_url) if e.name == Mark.IN_PROCESS_RESTART] == []
+    assert [e for e in read_events(config.layout) if e.name == Mark.IN_PROCESS_RESTART] == []
     # The orchestrator, which sees the exit code, records the failure (here there is none:
     # one attempt run by hand), so the report has no failure at all.
-    assert report_for_job(config.job_url).failures == ()
+    assert report_for_job(config.layout).failures == ()

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from infra import storage
-from infra.accounting.ledger import read_events
+from infra.accounting.ledger_read import read_events
 from infra.exit_codes import ExitCode, Outcome, outcome_of
+from infra.job_layout import JobLayout
 from tests.factories import ROOT
 from tests.reliability.jobs import Trainer, job_config, run_to_end
 
@@ -35,7 +36,7 @@ def test_second_job_with_the_same_job_id_refuses_to_start(tmp_path: Path, data_u
         pids: list[int] = []
 
         def training() -> bool:
-            events = read_events(first.job_url)
+            events = read_events(first.layout)
             pids.extend(int(e.attrs["pid"]) for e in events if e.name == "attempt_start")
             return any(e.name == "checkpoint_committed" for e in events)
 
@@ -45,9 +46,9 @@ def test_second_job_with_the_same_job_id_refuses_to_start(tmp_path: Path, data_u
         assert code == ExitCode.JOB_LOCKED, out[-3000:]
         assert outcome_of(code) is Outcome.JOB_LOCKED and Outcome.JOB_LOCKED.fatal
         [line] = [line for line in out.splitlines() if "is in use by another job" in line]
-        assert first.job_url in line and f"pid {pids[0]}" in line, line
+        assert first.layout.url in line and f"pid {pids[0]}" in line, line
         # The refused job left no trace in the running one's ledger.
-        assert {(e.attempt, e.rank) for e in read_events(first.job_url)} == {(0, 0)}
+        assert {(e.attempt, e.rank) for e in read_events(first.layout)} == {(0, 0)}
 
         os.kill(pids[0], signal.SIGTERM)  # the first job is preempted: it saves and exits
         assert running.wait() == ExitCode.PREEMPTED, running.tail()
@@ -57,7 +58,7 @@ def test_second_job_with_the_same_job_id_refuses_to_start(tmp_path: Path, data_u
         running.assert_gone()
     code, out = run_to_end(second, tmp_path)  # the job id is free again
     assert code == ExitCode.SUCCESS, out[-3000:]
-    assert [e.attempt for e in read_events(second.job_url) if e.name == "resume"] == [1]
+    assert [e.attempt for e in read_events(second.layout) if e.name == "resume"] == [1]
 
 
 @pytest.mark.slow
@@ -69,7 +70,7 @@ def test_trainers_with_the_orchestrators_token_share_its_lease(
     from infra.lease import ENV_VAR, acquire_job_lease, trainer_lease
 
     config = job_config(tmp_path, data_url, steps=5)
-    with acquire_job_lease(config.job_url) as lease:
+    with acquire_job_lease(config.layout) as lease:
         code, out = run_to_end(config, tmp_path, env=lease.env())
         assert code == ExitCode.SUCCESS, out[-3000:]
         code, out = run_to_end(config, tmp_path)
@@ -80,7 +81,7 @@ def test_trainers_with_the_orchestrators_token_share_its_lease(
         entered = threading.Barrier(3, timeout=30)
 
         def group() -> None:
-            with trainer_lease(config.job_url, rank=0):
+            with trainer_lease(config.layout, rank=0):
                 entered.wait()
 
         threads = [threading.Thread(target=group) for _ in range(2)]
@@ -104,14 +105,14 @@ def job_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 def test_lease_is_exclusive_and_names_its_holder(job_url: str) -> None:
     from infra.lease import JobLocked, acquire_job_lease, check_job_lease
 
-    with acquire_job_lease(job_url) as held:
+    with acquire_job_lease(JobLayout.at(job_url)) as held:
         with pytest.raises(JobLocked, match=f"job {job_url} is in use") as err:
-            acquire_job_lease(job_url)
+            acquire_job_lease(JobLayout.at(job_url))
         assert f"pid {os.getpid()}" in str(err.value) and held.token[:8] in str(err.value)
-        check_job_lease(job_url, held.token)
+        check_job_lease(JobLayout.at(job_url), held.token)
         with pytest.raises(JobLocked, match="no longer owns the job"):
-            check_job_lease(job_url, "someone-else")
-    with acquire_job_lease(job_url):  # released: free at once
+            check_job_lease(JobLayout.at(job_url), "someone-else")
+    with acquire_job_lease(JobLayout.at(job_url)):  # released: free at once
         pass
 
 
@@ -125,7 +126,7 @@ def test_only_one_of_many_racing_jobs_gets_the_lease(job_url: str) -> None:
     def race() -> None:
         start.wait()
         try:
-            won.append(acquire_job_lease(job_url))
+            won.append(acquire_job_lease(JobLayout.at(job_url)))
         except JobLocked as exc:
             refused.append(exc)
 
@@ -144,15 +145,15 @@ def test_only_one_of_many_racing_jobs_gets_the_lease(job_url: str) -> None:
 def test_lease_renewed_while_held_and_taken_over_once_expired(job_url: str) -> None:
     from infra.lease import JobLocked, acquire_job_lease, current_lease
 
-    held = acquire_job_lease(job_url, ttl_s=1.5)
+    held = acquire_job_lease(JobLayout.at(job_url), ttl_s=1.5)
     time.sleep(2.5)  # longer than the TTL: the heartbeat renewed it
     with pytest.raises(JobLocked):
-        acquire_job_lease(job_url, ttl_s=1.5)
+        acquire_job_lease(JobLayout.at(job_url), ttl_s=1.5)
     held._stop.set()  # the holder hangs: it stops renewing, but its process lives on
     held._thread.join()
-    taker = acquire_job_lease(job_url, ttl_s=30, wait_s=10)
+    taker = acquire_job_lease(JobLayout.at(job_url), ttl_s=30, wait_s=10)
     try:
-        current = current_lease(job_url)
+        current = current_lease(JobLayout.at(job_url))
         assert current is not None and current.token == taker.token
         assert not held.renew() and held.lost.is_set()  # the old holder learns it lost it
     finally:
@@ -162,11 +163,14 @@ def test_lease_renewed_while_held_and_taken_over_once_expired(job_url: str) -> N
 def test_lease_of_a_dead_process_is_taken_over_at_once(job_url: str) -> None:
     from infra.lease import acquire_job_lease, current_lease
 
-    code = f"from infra.lease import acquire_job_lease\nacquire_job_lease({job_url!r}, ttl_s=600)\n"
+    code = (
+        "from infra.job_layout import JobLayout\nfrom infra.lease import acquire_job_lease\n"
+        f"acquire_job_lease(JobLayout.at({job_url!r}), ttl_s=600)\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)  # never released
-    dead = current_lease(job_url)
+    dead = current_lease(JobLayout.at(job_url))
     assert dead is not None and not dead.released and not dead.live()
-    with acquire_job_lease(job_url, ttl_s=600) as lease:
-        current = current_lease(job_url)
+    with acquire_job_lease(JobLayout.at(job_url), ttl_s=600) as lease:
+        current = current_lease(JobLayout.at(job_url))
         assert current is not None and current.token == lease.token

@@ -28,20 +28,18 @@ import pytest
 
 from infra import storage
 from infra.accounting.ett import EttReport, report_for_job
-from infra.accounting.ledger import read_events, read_files, recover_orphaned_spools
-from infra.checkpoint_manifest import (
-    MANIFEST,
-    Manifest,
-    checkpoints_url,
-    committed_checkpoints,
-    step_dir_name,
-)
+from infra.accounting.ledger import recover_orphaned_spools
+from infra.accounting.ledger_read import read_events, read_files
+from infra.checkpoint_manifest import MANIFEST, Manifest, committed_checkpoints
 from infra.control import Progress
 from infra.exit_codes import ExitCode, Outcome
-from infra.settings import JobConfig, dump_config
-from tasks.attempts import JobRunner, LaunchSpec, RetryPolicy
+from infra.job_layout import JobLayout, step_dir_name
+from infra.settings import JobConfig
 from tasks.events import Anchor, find_anchor
-from tests.factories import ROOT, tiny_config, write_dataset
+from tasks.orchestrator import JobObserver, run
+from tests import procs
+from tests.factories import ROOT, tiny_config, with_sections, write_dataset
+from tests.procs import MARKER
 from tests.tcp_proxy import TcpProxy
 
 STEPS, EVERY = 40, 10
@@ -62,27 +60,19 @@ def _config(tmp_path: Path, data_url: str, storage_section: dict[str, Any], **se
         job_id="ledger-on-s3",
         storage=storage_section,
         data={"url": data_url},
-        train={"steps": STEPS, "eval_every": 0, "eval_rows": 256, "log_every": 1},
+        train={"steps": STEPS, "eval": "off", "eval_rows": 256, "log_every": 1},
         **sections,
     )
 
 
-def _trainer_pids(config_path: str) -> list[int]:
-    """The processes of this job's attempts: torchrun and its ranks (found by their argv)."""
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if config_path.encode() in argv and b"trainer" in argv:
-            found.append(int(proc.name))
-    return found
+def _trainer_pids(marker: str) -> list[int]:
+    """The processes of this job's attempts: torchrun and its ranks (by their environment)."""
+    return procs.carrying(**{MARKER: marker})
 
 
-def _rank_pid(config_path: str) -> int:
+def _rank_pid(marker: str) -> int:
     """The one rank of the attempt: forked from the launcher, so the child of another."""
-    pids = _trainer_pids(config_path)
+    pids = _trainer_pids(marker)
     ranks = [pid for pid in pids if _parent(pid) in pids]
     assert len(ranks) == 1, ranks
     return ranks[0]
@@ -102,29 +92,34 @@ def _run_job(
     """The orchestrator's attempt loop over the real trainer (no standby: this is about the
     ledger); ``on_progress`` sees every attempt's progress. Every process of the job is
     gone when it returns."""
-    path = tmp_path / f"{config.job_id}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    dump_config(config, path)
-    spec = LaunchSpec(str(path), env={**ENV, **(env or {})})
-    runner = JobRunner(
-        config.job_url,
-        spec,
-        RetryPolicy(max_failures=max_failures, backoff_s=0),
-        standby=False,
-        on_progress=on_progress,
+    marker = str(tmp_path)
+    job = with_sections(
+        config, recovery={"max_failures": max_failures, "backoff_s": 0, "standby": False}
     )
     try:
-        outcome = runner.run()
+        outcome = run(
+            job, Progressed(on_progress), env={**ENV, **(env or {}), MARKER: marker}
+        ).outcome
     finally:
-        assert _trainer_pids(str(path)) == [], "a trainer process outlived its job"
+        assert _trainer_pids(marker) == [], "a trainer process outlived its job"
     return list(outcome.attempts)
+
+
+class Progressed(JobObserver):
+    """Hands every progress record to ``on_progress``."""
+
+    def __init__(self, on_progress: Callable[[Progress], None]) -> None:
+        self.on_progress = on_progress
+
+    def progress(self, progress: Progress) -> None:
+        self.on_progress(progress)
 
 
 def _kill_after(config: JobConfig, tmp_path: Path, seen: dict[str, float], errors: list[str]):
     """attempt 0's progress callback: after step LAST_STEP (the rank then hangs at the next
     step, so it makes no more), wait until the step-30 checkpoint is committed (so both
     runs resume from it) and SIGKILL the rank from outside."""
-    path = str(tmp_path / f"{config.job_id}.yaml")
+    marker = str(tmp_path)
 
     def on_step(progress: Progress) -> None:
         if progress.step != LAST_STEP or "line" in seen:
@@ -132,10 +127,10 @@ def _kill_after(config: JobConfig, tmp_path: Path, seen: dict[str, float], error
         seen["line"] = time.time()
         try:
             deadline = time.monotonic() + 120
-            while not any(c.step == 30 for c in committed_checkpoints(config.job_url)):
+            while not any(c.step == 30 for c in committed_checkpoints(config.layout)):
                 assert time.monotonic() < deadline, "step 30 never committed"
                 time.sleep(0.05)
-            pid = _rank_pid(path)
+            pid = _rank_pid(marker)
             seen["kill"] = time.time()
             os.kill(pid, signal.SIGKILL)
         except Exception as exc:  # noqa: BLE001 - the watcher swallows callback errors
@@ -157,7 +152,7 @@ def _killed_job(tmp_path: Path, data_url: str, storage_section: dict[str, Any]) 
     attempts = _run_job(config, tmp_path, _kill_after(config, tmp_path, seen, errors))
     assert not errors, errors
     assert [a.outcome for a in attempts] == [Outcome.SIGKILL, Outcome.SUCCESS], attempts
-    return config, report_for_job(config.job_url), (seen["line"], seen["kill"])
+    return config, report_for_job(config.layout), (seen["line"], seen["kill"])
 
 
 def _from_first_step(r: EttReport) -> float:
@@ -194,9 +189,9 @@ def test_a_rank_killed_on_s3_is_reported_as_on_local_disk(
         local_report.observed_unsaved_s, rel=0.5, abs=0.5
     )
     # The killed attempt's file was completed from its spool by the next attempt.
-    (killed,) = [f for f in read_files(s3.job_url) if f.name == "trainer-attempt000-rank000.jsonl"]
+    (killed,) = [f for f in read_files(s3.layout) if f.name == "trainer-attempt000-rank000.jsonl"]
     assert not killed.incomplete
-    assert recover_orphaned_spools(s3.job_url) == []  # nothing left behind
+    assert recover_orphaned_spools(s3.layout) == []  # nothing left behind
     for name, r in (("file", local_report), ("s3", s3_report)):
         f = r.failures[0]
         print(
@@ -242,10 +237,10 @@ def test_a_ledger_that_cannot_be_stored_fails_the_attempt(
 
     # The orchestrator, on the same node and still reaching S3 directly, recovered the dead
     # trainer's spool as soon as the attempt ended: every event is stored, nothing is left.
-    events = [e for e in read_events(config.job_url) if e.attempt == 0 and e.rank == 0]
+    events = [e for e in read_events(config.layout) if e.attempt == 0 and e.rank == 0]
     steps = [e.step for e in events if e.name == "train_step"]
     assert steps == list(range(1, STEPS + 1)) and any(e.name == "job_end" for e in events)
-    assert recover_orphaned_spools(config.job_url) == []
+    assert recover_orphaned_spools(config.layout) == []
 
 
 def test_the_anchor_comes_from_the_committed_manifests_not_the_ledger(tmp_path: Path) -> None:
@@ -254,19 +249,19 @@ def test_the_anchor_comes_from_the_committed_manifests_not_the_ledger(tmp_path: 
     job = f"file://{tmp_path}/jobs/a"
 
     def commit(step: int, anchor: bool, manifest: bool = True) -> str:
-        url = storage.join(checkpoints_url(job), step_dir_name(step))
+        url = storage.join(JobLayout.at(job).checkpoints, step_dir_name(step))
         storage.write_bytes(storage.join(url, "__0_0.distcp"), b"w")
         if manifest:
             m = Manifest(step=step, world_size=1, config_hash="h", files={}, anchor=anchor)
             storage.write_text(storage.join(url, MANIFEST), m.to_json())
         return url
 
-    assert find_anchor(job) is None
+    assert find_anchor(JobLayout.at(job)) is None
     commit(10, anchor=True)
     anchor_url = commit(20, anchor=True)
     commit(30, anchor=False)  # a continuation's periodic checkpoint
     commit(40, anchor=True, manifest=False)  # never committed
-    found = find_anchor(job)
+    found = find_anchor(JobLayout.at(job))
     assert isinstance(found, Anchor) and (found.uri, found.step) == (anchor_url, 20)
     assert not storage.exists(storage.join(job, "ledger"))
     code = (

@@ -26,7 +26,7 @@ def _train(config: JobConfig, tmp_path: Path, *flags: str) -> int:
 
 
 def _ledger(config: JobConfig) -> Path:
-    return Path(storage.local_path(config.job_url) or "", "ledger")
+    return Path(storage.local_path(config.layout.url) or "", "ledger")
 
 
 def _rewrite(path: Path, change) -> None:
@@ -39,7 +39,7 @@ def test_a_flipped_digit_in_one_steps_end_is_rejected_and_said(
 ) -> None:
     config = job_config(tmp_path, data_url, 40, job_id="flipped", recovery={"standby": False})
     assert _train(config, tmp_path) == 0
-    clean = report_for_job(config.job_url)
+    clean = report_for_job(config.layout)
 
     def flip(rec: dict) -> dict:
         if rec["name"] == "train_step" and rec.get("step") == 17:
@@ -50,7 +50,7 @@ def test_a_flipped_digit_in_one_steps_end_is_rejected_and_said(
     _rewrite(_ledger(config) / "trainer-attempt000-rank000.jsonl", flip)
     shown = ett("report", "flipped", "--config", str(tmp_path / "flipped.yaml"), cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
-    report = report_for_job(config.job_url)
+    report = report_for_job(config.layout)
     assert abs(report.wall_s - clean.wall_s) < 1e-3 and report.ett_pct < 100.0
     assert abs(report.ett_pct - clean.ett_pct) < 0.01
     assert report.clock.retimed == 1
@@ -91,7 +91,7 @@ def test_an_earlier_ledger_ahead_of_this_hosts_clock_is_moved_back_and_said(
     assert _train(config, tmp_path) == 0
     real = time.time() - began
 
-    report = report_for_job(config.job_url)
+    report = report_for_job(config.layout)
     assert report.finished and report.num_steps == 60
     assert report.wall_s <= real  # never more than what passed (it was real + 90 s before)
     assert report.time_to_start_s is not None and report.time_to_start_s < real / 2

@@ -15,7 +15,6 @@ attempt until the test has changed the server's state:
 from __future__ import annotations
 
 import contextvars
-import functools
 import os
 import subprocess
 import sys
@@ -31,8 +30,7 @@ from mlflow import MlflowClient
 import flows.train_flow as train_module
 from infra.devstack import servers
 from infra.settings import JobConfig, dump_config
-from tasks.attempts import LaunchSpec
-from tests.factories import ROOT, tiny_config, write_dataset
+from tests.factories import ROOT, tiny_config, use_launcher, write_dataset
 
 pytestmark = pytest.mark.slow
 
@@ -94,8 +92,7 @@ def gated_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     gate.mkdir()
     script = tmp_path / "gate.py"
     script.write_text(GATE)
-    gated = functools.partial(LaunchSpec, launcher=(str(script), str(gate), str(FAKE)))
-    monkeypatch.setattr(train_module, "LaunchSpec", gated)
+    use_launcher(monkeypatch, str(script), str(gate), str(FAKE))
     return gate
 
 
@@ -144,12 +141,11 @@ class FlowThread(threading.Thread):
 
     def _run(self) -> None:
         try:
-            self.result = train_module.train_flow(
-                config=str(self.path),
-                faults=[{"kind": "crash", "step": 8, "attempt": 0}],
-                backoff_s=0.2,
-                hang_timeout_s=WAIT_S,
-            )
+            overrides = {
+                "faults": [{"kind": "crash", "step": 8, "attempt": 0}],
+                "recovery": {"backoff_s": 0.2, "hang_timeout_s": WAIT_S},
+            }
+            self.result = train_module.train_flow(config=str(self.path), overrides=overrides)
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             self.error = exc
 

@@ -17,11 +17,10 @@ from typing import Any
 import pytest
 
 from infra import storage
-from infra.accounting.ledger import ledger_url
 from infra.exit_codes import ExitCode
 from infra.preflight import PreflightError
 from infra.settings import JobConfig, dump_config
-from tasks.train import prepare_job
+from tasks.training import plan
 from tests.reliability.ett_job import EttTrain
 from tests.reliability.jobs import job_config
 
@@ -42,7 +41,7 @@ def refused(config: JobConfig, tmp_path: Path, *named: str) -> str:
         for word in named:
             assert word in lines[0], lines[0]
         # No trainer ran: it writes its ledger first thing.
-        ledger = storage.local_path(ledger_url(config.job_url))
+        ledger = storage.local_path(config.layout.ledger)
         assert ledger is not None and not Path(ledger).exists()
         job.assert_left_nothing()
         return lines[0]
@@ -131,7 +130,7 @@ def test_credentials_in_a_url_are_masked(
 def test_the_flow_fails_before_its_first_attempt_with_the_same_line(
     tmp_path: Path, data_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The ``train`` flow's first task (prepare-job): the same check, the same line, and no
+    """The ``train`` flow's first task (plan-job): the same check, the same line, and no
     folder made for the ranks' config."""
     afile = tmp_path / "afile"
     afile.write_text("not a folder")
@@ -142,7 +141,7 @@ def test_the_flow_fails_before_its_first_attempt_with_the_same_line(
     private.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(private))
     with pytest.raises(PreflightError) as caught:
-        prepare_job.fn(str(path))
+        plan.fn(str(path))
     (tmp_path / "cli").mkdir()
     cli = refused(config, tmp_path / "cli", "storage.root")
     assert cli == f"ett train: error: {caught.value}"

@@ -28,25 +28,15 @@ import pytest
 
 from infra import storage
 from infra.accounting.ett import report_for_job
-from infra.accounting.ledger import Mark, Span, read_events
+from infra.accounting.ledger_format import Mark, Span
+from infra.accounting.ledger_read import read_events
+from infra.checkpoint_manifest import QUARANTINE, committed_checkpoints, rank_state_name
 from infra.exit_codes import ExitCode, Outcome
-from infra.settings import JobConfig, dump_config
-from tasks.attempts import (
-    AttemptProcess,
-    AttemptReport,
-    JobRunner,
-    LaunchSpec,
-    RetryPolicy,
-    Timeouts,
-)
+from infra.settings import JobConfig
+from tasks.attempt import AttemptProcess
+from tasks.orchestrator import Orchestrator
 from tests.factories import assert_bit_identical, resume_marks
 from tests.reliability.jobs import job_config, run_to_end, step_folder
-from trainer.checkpoint.manifest import (
-    QUARANTINE,
-    checkpoints_url,
-    committed_checkpoints,
-    rank_state_name,
-)
 
 STEPS = 15
 EVERY = 5  # job_config's every_steps
@@ -57,14 +47,14 @@ def _steps(config: JobConfig, attempt: int) -> list[int]:
     """The train steps rank 0 of ``attempt`` ran to their end, in order."""
     return [
         e.step
-        for e in read_events(config.job_url)
+        for e in read_events(config.layout)
         if e.name == Span.TRAIN_STEP and e.rank == 0 and e.attempt == attempt
     ]
 
 
 def _anchor_loader(config: JobConfig) -> dict:
     """Rank 0's data position saved with the job's anchor."""
-    anchor = committed_checkpoints(config.job_url)[0]
+    anchor = committed_checkpoints(config.layout)[0]
     assert anchor.manifest.anchor and anchor.step == STEPS
     path = Path(storage.local_path(anchor.url) or "") / rank_state_name(0)
     return json.loads(path.read_text())["loader"]
@@ -77,7 +67,7 @@ def clean(tmp_path_factory: pytest.TempPathFactory, data_url: str) -> JobConfig:
     config = job_config(tmp_path, data_url, STEPS, job_id="clean")
     code, out = run_to_end(config, tmp_path)
     assert code == ExitCode.SUCCESS, out[-3000:]
-    assert [c.step for c in committed_checkpoints(config.job_url)] == [15, 10, 5]
+    assert [c.step for c in committed_checkpoints(config.layout)] == [15, 10, 5]
     return config
 
 
@@ -97,7 +87,7 @@ def test_an_in_process_restart_steps_after_a_commit_redoes_them_exactly(
     code, out = run_to_end(config, tmp_path)
     assert code == ExitCode.SUCCESS, out[-3000:]
     assert resume_marks(config) == [(0, 10, True)]
-    restarts = [e for e in read_events(config.job_url) if e.name == Mark.IN_PROCESS_RESTART]
+    restarts = [e for e in read_events(config.layout) if e.name == Mark.IN_PROCESS_RESTART]
     assert [(e.attempt, e.step) for e in restarts] == [(0, 14)]
     # Step 14 failed before it ran; 11-13 ran twice, the second time from the commit of 10.
     assert _steps(config, 0) == [*range(1, 14), *range(11, STEPS + 1)]
@@ -113,9 +103,9 @@ def test_a_corrupt_newest_commit_falls_back_to_the_previous_one_and_its_data_pos
     early peek had read step 10's) and ends bit-identical to the uninterrupted run."""
     config = job_config(tmp_path, data_url, STEPS, job_id="fallback")
     for step in (5, 10):
-        src = storage.local_path(step_folder(clean.job_url, step)) or ""
-        shutil.copytree(src, storage.local_path(step_folder(config.job_url, step)) or "")
-    newest = Path(storage.local_path(step_folder(config.job_url, 10)) or "")
+        src = storage.local_path(step_folder(clean.layout.url, step)) or ""
+        shutil.copytree(src, storage.local_path(step_folder(config.layout.url, step)) or "")
+    newest = Path(storage.local_path(step_folder(config.layout.url, 10)) or "")
     shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -125,7 +115,7 @@ def test_a_corrupt_newest_commit_falls_back_to_the_previous_one_and_its_data_pos
     assert code == ExitCode.SUCCESS, out[-3000:]
     assert resume_marks(config) == [(0, 5, False)]
     assert _steps(config, 0) == list(range(EVERY + 1, STEPS + 1))
-    quarantine = Path(storage.local_path(checkpoints_url(config.job_url)) or "") / QUARANTINE
+    quarantine = Path(storage.local_path(config.layout.checkpoints) or "") / QUARANTINE
     assert [p.name.split("-")[1] for p in quarantine.iterdir()] == ["000000010"]
     # The first batch was fetched from the peeked step 10 while restore ran; restore fell
     # back to step 5, so the loader was put back at step 5's position and fetched again.
@@ -133,7 +123,7 @@ def test_a_corrupt_newest_commit_falls_back_to_the_previous_one_and_its_data_pos
     assert _anchor_loader(config) == _anchor_loader(clean)
     assert_bit_identical(clean, config, STEPS)
     # The report names the fallback: where it resumed, what it skipped, and why.
-    [resume] = report_for_job(config.job_url).resumes
+    [resume] = report_for_job(config.layout).resumes
     assert (resume.how, resume.step, resume.newest_step) == ("cold", 5, 10)
     assert resume.skipped == ((10, f"checksum mismatch in {shard.name}", True),)
 
@@ -143,14 +133,14 @@ def _kill_when_standby_parked(config: JobConfig, attempt: AttemptProcess, seen: 
     its rank dies (SIGKILL, a lost worker). ``seen`` gets the newest committed step then."""
     deadline = time.monotonic() + HELD_S
     while time.monotonic() < deadline and attempt.poll() is None:
-        events = read_events(config.job_url)
+        events = read_events(config.layout)
         parked = any(e.name == Mark.STANDBY_READY and e.attempt == 1 for e in events)
         committed = any(
             e.name == Mark.CHECKPOINT_COMMITTED and e.attempt == 0 and e.step == 2 * EVERY
             for e in events
         )
         if parked and committed:
-            seen.append(committed_checkpoints(config.job_url)[0].step)
+            seen.append(committed_checkpoints(config.layout)[0].step)
             for pid, _ in attempt.controls[0].ranks().values():
                 os.kill(pid, signal.SIGKILL)
             return
@@ -167,30 +157,24 @@ def test_a_standby_promoted_after_it_parked_resumes_from_the_newest_commit(
         STEPS,
         job_id="promoted",
         faults=[{"kind": "hang", "step": 12, "attempt": 0}],  # held there until the kill
-    )
-    path = tmp_path / "promoted.yaml"
-    dump_config(config, path)
-    runner = JobRunner(
-        config.job_url,
-        LaunchSpec(str(path), env={"OMP_NUM_THREADS": "1"}),
-        RetryPolicy(max_failures=1, backoff_s=0),
-        Timeouts(hang_s=HELD_S, grace_s=30),  # if the kill never comes: a hang, and a failure
-        standby=True,
+        checkpoint={"preemption_budget_s": 20},
+        # If the kill never comes: a hang, and a failure.
+        recovery={"max_failures": 1, "backoff_s": 0, "standby": True, "hang_timeout_s": HELD_S},
     )
     newest_at_kill: list[int] = []
-
-    def run_attempt(attempt: AttemptProcess) -> AttemptReport:
-        if attempt.number == 0:
-            args = (config, attempt, newest_at_kill)
-            threading.Thread(target=_kill_when_standby_parked, args=args, daemon=True).start()
-        return runner.watch_attempt(attempt)
-
-    outcome = runner.run(run_attempt)
+    with Orchestrator(config, env={"OMP_NUM_THREADS": "1"}) as job:
+        for attempt in job:
+            if attempt.number == 0:
+                args = (config, attempt, newest_at_kill)
+                threading.Thread(target=_kill_when_standby_parked, args=args, daemon=True).start()
+            job.watch(attempt)
+    assert job.result is not None
+    outcome = job.result.outcome
     got = [(a.outcome, a.from_standby) for a in outcome.attempts]
     assert got == [(Outcome.SIGKILL, False), (Outcome.SUCCESS, True)], outcome.message
     assert newest_at_kill == [2 * EVERY]
     assert resume_marks(config) == [(1, 2 * EVERY, False)]
-    events = read_events(config.job_url)
+    events = read_events(config.layout)
 
     def when(name: str, attempt: int) -> float:
         [event] = [e for e in events if e.name == name and e.attempt == attempt and e.rank == 0]
@@ -217,7 +201,7 @@ def test_two_ranks_checkpoint_by_the_clock_at_the_same_steps(tmp_path: Path, dat
     )
     code, out = run_to_end(config, tmp_path, nproc=2)
     assert code == ExitCode.SUCCESS, out[-3000:]
-    events = read_events(config.job_url)
+    events = read_events(config.layout)
     commits = [e.step for e in events if e.name == Mark.CHECKPOINT_COMMITTED]
     assert commits == list(range(2, steps + 1))
     for rank in (0, 1):
@@ -229,7 +213,7 @@ def test_two_ranks_checkpoint_by_the_clock_at_the_same_steps(tmp_path: Path, dat
             and e.attrs.get("phase") != "staging"
         ]
         assert saves == list(range(2, steps + 1)), (rank, saves)
-    kept = committed_checkpoints(config.job_url)
+    kept = committed_checkpoints(config.layout)
     assert [c.step for c in kept] == list(range(steps, 1, -1)) and kept[0].manifest.anchor
     for ckpt in kept:
         assert ckpt.manifest.world_size == 2

@@ -44,10 +44,10 @@ def test_a_fallback_past_a_corrupt_checkpoint_is_named_everywhere_the_report_goe
             )
         job.wait_until(
             "a checkpoint past step 100",
-            lambda: any(c.step >= 100 for c in committed_checkpoints(config.job_url)),
+            lambda: any(c.step >= 100 for c in committed_checkpoints(config.layout)),
         )
         job.kill(0, ranks_only=True, sig=signal.SIGSTOP)  # nothing commits while we look
-        newest, previous = committed_checkpoints(config.job_url)[:2]
+        newest, previous = committed_checkpoints(config.layout)[:2]
         shard = Path(newest.url.removeprefix("file://"), "__1_0.distcp")
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0xFF
@@ -66,7 +66,7 @@ def test_a_fallback_past_a_corrupt_checkpoint_is_named_everywhere_the_report_goe
     assert shown.returncode == 0, shown.stderr
     assert "What recovery did" in shown.stdout and line in shown.stdout
     assert "of which redone after a checkpoint fallback" in shown.stdout
-    report = report_for_job(config.job_url)
+    report = report_for_job(config.layout)
     assert report.finished and report.num_steps == STEPS
     [resume] = [r for r in report.resumes if r.how == "promoted"]
     assert resume.skipped == ((newest.step, "checksum mismatch in __1_0.distcp", True),)

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from infra import storage
-from infra.accounting.ledger import read_events
+from infra.accounting.ledger_read import read_events
+from infra.checkpoint_manifest import committed_checkpoints
 from infra.exit_codes import ExitCode
 from tests.reliability.jobs import job_config, run_to_end, step_folder
-from trainer.checkpoint.manifest import checkpoints_url, committed_checkpoints, verify_files
+from trainer.checkpoint.verify import verify_files
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +36,8 @@ def test_corrupt_checkpoint_is_quarantined_and_not_counted_by_retention(
     first = job_config(tmp_path, data_url, steps=10)
     code, out = run_to_end(first, tmp_path)
     assert code == ExitCode.SUCCESS, out[-3000:]
-    assert [c.step for c in committed_checkpoints(first.job_url)] == [10, 5]
-    _flip_a_byte(Path(storage.local_path(step_folder(first.job_url, 10)) or ""))
+    assert [c.step for c in committed_checkpoints(first.layout)] == [10, 5]
+    _flip_a_byte(Path(storage.local_path(step_folder(first.layout.url, 10)) or ""))
 
     # Attempt 1: falls back to step 5, checkpoints every step keeping only 1, dies at step 9.
     config = job_config(
@@ -48,20 +49,20 @@ def test_corrupt_checkpoint_is_quarantined_and_not_counted_by_retention(
     )
     code, out = run_to_end(config, tmp_path)
     assert code == 128 + signal.SIGKILL, out[-3000:]  # the launcher: the killed rank's code
-    resumes = [(e.attempt, e.step) for e in read_events(config.job_url) if e.name == "resume"]
+    resumes = [(e.attempt, e.step) for e in read_events(config.layout) if e.name == "resume"]
     assert resumes == [(1, 5)], resumes
-    quarantine = Path(storage.local_path(checkpoints_url(config.job_url)) or "") / "quarantine"
+    quarantine = Path(storage.local_path(config.layout.checkpoints) or "") / "quarantine"
     [moved] = list(quarantine.iterdir())
     assert moved.name.startswith("step-000000010-")
     assert "checksum mismatch" in json.loads((moved / "_quarantined.json").read_text())["reason"]
     # The corrupt one no longer counts: the one kept is the newest good one.
-    [kept] = committed_checkpoints(config.job_url)
+    [kept] = committed_checkpoints(config.layout)
     assert kept.step in (7, 8), kept.step  # 8 may still have been uploading at the kill
     verify_files(kept.url, kept.manifest)
 
     code, out = run_to_end(config, tmp_path)  # attempt 2 resumes from it and finishes
     assert code == ExitCode.SUCCESS, out[-3000:]
-    resumes = [(e.attempt, e.step) for e in read_events(config.job_url) if e.name == "resume"]
+    resumes = [(e.attempt, e.step) for e in read_events(config.layout) if e.name == "resume"]
     assert resumes == [(1, 5), (2, kept.step)], resumes
-    [final] = committed_checkpoints(config.job_url)
+    [final] = committed_checkpoints(config.layout)
     assert final.step == 12 and final.manifest.anchor

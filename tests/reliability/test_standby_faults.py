@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from infra.accounting.ett import report_for_job
-from infra.accounting.ledger import Mark, read_events
+from infra.accounting.ledger_format import Mark
+from infra.accounting.ledger_read import read_events
 from infra.accounting.report import format_table
 from tests.reliability.ett_job import EttTrain
 from tests.reliability.jobs import job_config
@@ -56,7 +57,7 @@ def test_a_standby_killed_while_parked_is_replaced_and_the_job_reports_whole(
         job.assert_left_nothing()
     finally:
         job.end()
-    report = report_for_job(job.config.job_url)
+    report = report_for_job(job.config.layout)
     assert report.finished and report.num_steps == STEPS, format_table(report)
     assert [(a.attempt, a.outcome) for a in report.attempts] == [(0, "failed"), (2, "completed")]
     [lost] = report.lost_standbys
@@ -67,7 +68,7 @@ def test_a_standby_killed_while_parked_is_replaced_and_the_job_reports_whole(
     assert "standby attempt 1 lost while parked (killed by SIGKILL" in out
     assert "promoting standby attempt 2" in out
     # Every attempt number is its own: no trainer file mixes a dead standby with a launch.
-    events = read_events(job.config.job_url)
+    events = read_events(job.config.layout)
     starts = [(e.attempt, e.attrs.get("standby")) for e in events if e.name == Mark.ATTEMPT_START]
     assert len(starts) == len({a for a, _ in starts}), starts
     text = format_table(report)
@@ -96,13 +97,13 @@ def test_a_standby_killed_as_it_is_promoted_is_a_failure_and_a_cold_attempt_fini
         job.assert_left_nothing()
     finally:
         job.end()
-    report = report_for_job(job.config.job_url)
+    report = report_for_job(job.config.layout)
     assert report.finished and report.num_steps == STEPS, format_table(report)
     outcomes = [(a.attempt, a.outcome) for a in report.attempts]
     assert outcomes == [(0, "failed"), (1, "failed"), (2, "completed")], outcomes
     assert [f.cause for f in report.failures] == ["sigkill", "sigkill"]
     assert report.lost_standbys == ()
-    events = read_events(job.config.job_url)
+    events = read_events(job.config.layout)
     # The replacement: attempt 2's own standby (attempt 3) started once attempt 2 trained.
     standbys = {
         e.attempt for e in events if e.name == Mark.ATTEMPT_START and e.attrs.get("standby")

@@ -21,12 +21,14 @@ from typing import Any
 import pytest
 
 from infra import storage
-from infra.accounting.ledger import read_events
+from infra.accounting.ledger_read import read_events
+from infra.checkpoint_manifest import committed_checkpoints
 from infra.exit_codes import ExitCode
+from infra.job_layout import step_dir_name
 from infra.settings import JobConfig
 from tests.reliability.cutting_proxy import RequestCutter
 from tests.reliability.jobs import Trainer, job_config, run_to_end, s3_root
-from trainer.checkpoint.manifest import committed_checkpoints, step_dir_name, verify_files
+from trainer.checkpoint.verify import verify_files
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +72,7 @@ def at(config: JobConfig, endpoint: str, steps: int | None = None, **storage_: A
 
 
 def attempts(config: JobConfig) -> set[int]:
-    return {e.attempt for e in read_events(config.job_url)}
+    return {e.attempt for e in read_events(config.layout)}
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +86,7 @@ def finished_s3_job(
     config = s3_job(tmp, data_url, s3_server, steps=10)
     code, out = run_to_end(config, tmp)
     assert code == ExitCode.SUCCESS, out[-3000:]
-    assert [c.step for c in committed_checkpoints(config.job_url)] == [10, 5]
+    assert [c.step for c in committed_checkpoints(config.layout)] == [10, 5]
     return config
 
 
@@ -109,17 +111,17 @@ def test_s3_read_errors_on_newest_checkpoint_are_retried_not_fallen_back(
     [unavailable] = [line for line in out.splitlines() if "storage unavailable" in line]
     assert "/checkpoints/step-000000010" in unavailable, out[-3000:]
     [attempt] = attempts(config) - before
-    events = [e for e in read_events(config.job_url) if e.attempt == attempt]
+    events = [e for e in read_events(config.layout) if e.attempt == attempt]
     assert not [e for e in events if e.name in ("resume", "train_step")]
     # Not taken for corruption: both checkpoints are still there, nothing quarantined.
-    assert [c.step for c in committed_checkpoints(config.job_url)] == [10, 5]
-    assert "quarantine" not in storage.listdir(storage.join(config.job_url, "checkpoints"))
+    assert [c.step for c in committed_checkpoints(config.layout)] == [10, 5]
+    assert "quarantine" not in storage.listdir(storage.join(config.layout.url, "checkpoints"))
 
     proxy.clear()  # storage is back: the next attempt resumes from the newest
     code, out = run_to_end(config, tmp_path)
     assert code == ExitCode.SUCCESS, out[-3000:]
     [attempt] = attempts(config) - before - {attempt}
-    resumes = [(e.attempt, e.step) for e in read_events(config.job_url) if e.name == "resume"]
+    resumes = [(e.attempt, e.step) for e in read_events(config.layout) if e.name == "resume"]
     assert (attempt, 10) in resumes, resumes
 
 
@@ -160,13 +162,13 @@ def test_sigkill_during_emergency_save_keeps_previous_checkpoint(
     if sigterm_at == 5:  # committed already: nothing to save, a clean exit
         assert code == ExitCode.PREEMPTED, trainer.tail()
     direct = at(config, s3_server)
-    [kept] = committed_checkpoints(direct.job_url)
+    [kept] = committed_checkpoints(direct.layout)
     assert kept.step == 5
     verify_files(kept.url, kept.manifest)
     code, out = run_to_end(at(config, s3_server, steps=5), tmp_path)  # resume, no training
     assert code == ExitCode.SUCCESS, out[-3000:]
     # (By step: a SIGKILLed attempt's ledger on S3 may be lost, and its number reused.)
-    resumes = [e.step for e in read_events(direct.job_url) if e.name == "resume"]
+    resumes = [e.step for e in read_events(direct.layout) if e.name == "resume"]
     assert resumes == [5], resumes
 
 
@@ -202,6 +204,6 @@ def test_emergency_save_that_fails_or_outlasts_its_budget_exits_emergency_save_f
     if budget_s < 60:
         assert f"ran out of its {budget_s:.0f} s budget" in out, out[-3000:]
     direct = at(config, s3_server)
-    [newest, *_] = committed_checkpoints(direct.job_url)
+    [newest, *_] = committed_checkpoints(direct.layout)
     assert newest.step == 5
     verify_files(newest.url, newest.manifest)

@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 
 from infra import processes
-from infra.accounting.ledger import read_events
+from infra.accounting.ledger_read import read_events
 from infra.agent_protocol import ENV_POOL, code_fingerprint, import_env_mismatch
+from infra.job_layout import JobLayout
 from infra.settings import dump_config
 from tasks.agent_pool import LAUNCHER, claim
 from tests.factories import ROOT, PoolProcess, tiny_config, write_dataset
@@ -90,7 +91,7 @@ def test_a_job_claims_a_parked_agent_and_nothing_outlives_the_pool(
     assert "step 20/20" in job.stderr  # the claimed agent's ranks log to the job's output
     agents = pool.claimed()  # attempt 0's, and the standby's if one had parked by then
     assert agents and not any(processes.pid_alive(a) for a in agents)  # ended with the job
-    events = read_events(f"file://{tmp_path}/store/jobs/tiny")
+    events = read_events(JobLayout.at(f"file://{tmp_path}/store/jobs/tiny"))
     (launch,) = [e for e in events if e.name == "launcher_init" and e.attempt == 0]
     assert launch.attrs["pooled"] == 1 and launch.attrs["reached_trainer"] is True
 
@@ -122,7 +123,7 @@ def _train_until_it_steps(path: Path, env: dict[str, str]) -> subprocess.Popen[s
 
 
 def _failures(tmp_path: Path) -> list[tuple[int, int]]:
-    events = read_events(f"file://{tmp_path}/store/jobs/tiny")
+    events = read_events(JobLayout.at(f"file://{tmp_path}/store/jobs/tiny"))
     return [(e.attempt, e.attrs["exit_code"]) for e in events if e.name == "failure"]
 
 

@@ -1,6 +1,7 @@
-"""The attempt lifecycle (tasks/attempts.py) with real subprocesses: a fake trainer
-(tests/fake_trainer.py) that keeps the trainer's contract without torch, so the loop, the
-standby, the watch and the process-tree handling are exercised in seconds."""
+"""One attempt and the job's loop (tasks/attempt.py, tasks/orchestrator.py) with real
+subprocesses: a fake trainer (tests/fake_trainer.py) that keeps the trainer's contract
+without torch, so the loop, the standby, the watch and the process-tree handling are
+exercised in seconds."""
 
 from __future__ import annotations
 
@@ -19,22 +20,17 @@ import pytest
 
 from infra import processes
 from infra.accounting.ett import report_for_job
-from infra.accounting.ledger import Mark, Span, next_attempt, read_events
-from infra.control import Phase
+from infra.accounting.ledger import next_attempt
+from infra.accounting.ledger_format import Mark, Span
+from infra.accounting.ledger_read import read_events
+from infra.control import JobState, Phase, Progress
 from infra.exit_codes import ExitCode, Outcome, name_of, outcome_of
-from infra.settings import dump_config
-from tasks.attempts import (
-    AttemptProcess,
-    AttemptReport,
-    JobOutcome,
-    JobRunner,
-    LaunchSpec,
-    RetryPolicy,
-    Timeouts,
-    watch,
-)
+from infra.settings import JobConfig, RecoveryConfig, dump_config
+from tasks.attempt import AttemptProcess, AttemptReport, LaunchSpec, Timeouts, watch
+from tasks.orchestrator import JobObserver, JobOutcome, Orchestrator, backoff_s, run
 from tests import procs
 from tests.factories import tiny_config
+from tests.procs import MARKER
 
 FAKE = str(Path(__file__).resolve().parents[1] / "fake_trainer.py")
 
@@ -81,11 +77,11 @@ def test_only_fatal_outcomes_stop_and_preemptions_are_not_failures() -> None:
 
 
 def test_retry_policy_backs_off_only_a_repeating_failure() -> None:
-    p = RetryPolicy(max_failures=5, backoff_s=2.0, backoff_max_s=10.0)
-    assert p.delay_s(Outcome.CRASH, 0) == 0.0  # a first crash: at once
-    assert [p.delay_s(Outcome.CRASH, n) for n in (1, 2, 3, 4)] == [2.0, 4.0, 8.0, 10.0]
-    assert p.delay_s(Outcome.PREEMPTED, 3) == 0.0
-    assert RetryPolicy(backoff_s=0).delay_s(Outcome.SIGKILL, 2) == 0.0
+    rec = RecoveryConfig(max_failures=5, backoff_s=2.0, backoff_max_s=10.0)
+    assert backoff_s(rec, Outcome.CRASH, 0) == 0.0  # a first crash: at once
+    assert [backoff_s(rec, Outcome.CRASH, n) for n in (1, 2, 3, 4)] == [2.0, 4.0, 8.0, 10.0]
+    assert backoff_s(rec, Outcome.PREEMPTED, 3) == 0.0
+    assert backoff_s(RecoveryConfig(backoff_s=0), Outcome.SIGKILL, 2) == 0.0
 
 
 def test_launch_commands_for_one_node_and_for_several() -> None:
@@ -127,7 +123,9 @@ def test_each_nodes_output_is_named_and_agents_that_exit_0_end_the_attempt(
     argv = "import sys; print(*sys.argv[1:])"  # an agent that prints its flags and exits 0
     spec = LaunchSpec(str(tmp_path / "job.yaml"), nnodes=2, launcher=("-c", argv))
     with caplog.at_level(logging.INFO, logger="test-nodes"):
-        attempt = AttemptProcess.spawn(spec, 3, False, {}, logging.getLogger("test-nodes"))
+        attempt = AttemptProcess.spawn(
+            spec, 3, False, {}, JobState(), logging.getLogger("test-nodes")
+        )
         try:
             for proc in attempt.procs:
                 proc.wait(timeout=60)
@@ -171,35 +169,51 @@ def test_reports_say_what_became_of_an_attempt() -> None:
 
 
 # -- the loop with a (fake) trainer ------------------------------------------------------------
+def _config(
+    tmp_path: Path, faults: list[dict] = (), steps: int = 20, **recovery: object
+) -> JobConfig:
+    """A job of the fake trainer: ``recovery`` sets its section (standby, max_failures...);
+    preemption_budget_s 1 keeps the kill grace at 11 s."""
+    return tiny_config(
+        tmp_path,
+        train={"steps": steps, "eval": "off"},  # no side evaluator beside a fake trainer
+        faults=list(faults),
+        checkpoint={"preemption_budget_s": 1},
+        recovery={"backoff_s": 0, **recovery},
+    )
+
+
 def _spec(tmp_path: Path, faults: list[dict], steps: int = 20, **env: str) -> tuple:
-    config = tiny_config(tmp_path, train={"steps": steps}, faults=faults)
+    config = _config(tmp_path, faults, steps)
     path = tmp_path / "job.yaml"
     dump_config(config, path)
-    return config, LaunchSpec(str(path), env=dict(env), launcher=(FAKE,))
+    return config, LaunchSpec(str(path), env=_env(tmp_path, **env), launcher=(FAKE,))
 
 
-def _run(tmp_path: Path, faults: list[dict], policy: RetryPolicy, standby: bool = True, **kw):
-    steps = kw.pop("steps", 20)
-    env = kw.pop("env", {})
-    config, spec = _spec(tmp_path, faults, steps, **env)
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The fake trainers' environment: a marker naming this test, and ``extra``."""
+    return {MARKER: str(tmp_path), **extra}
+
+
+def _run(tmp_path: Path, faults: list[dict], env: dict[str, str] | None = None, **recovery):
+    """The job to its end on the fake trainer: (config, outcome, the backoff sleeps)."""
+    steps = recovery.pop("steps", 20)
+    config = _config(tmp_path, faults, steps, **recovery)
     sleeps: list[float] = []
-    runner = JobRunner(
-        config.job_url,
-        spec,
-        policy,
-        standby=standby,
+    result = run(
+        config,
+        launcher=(FAKE,),
+        env=_env(tmp_path, **(env or {})),
         sleep=sleeps.append,
         scheduling=(time.time() - 3.0, time.time()),
-        **kw,
     )
-    outcome = runner.run()
-    return config, outcome, sleeps
+    return config, result.outcome, sleeps
 
 
 def _fake_pids(tmp_path: Path) -> list[int]:
-    """Live fake trainers of this test (their command line names its config, under
-    ``tmp_path``): tests on another pytest-xdist worker run fake trainers of their own."""
-    return procs.mentioning(FAKE, str(tmp_path))
+    """Live fake trainers of this test (their environment names ``tmp_path``): tests on
+    another pytest-xdist worker run fake trainers of their own."""
+    return procs.carrying(**{MARKER: str(tmp_path)})
 
 
 def test_standby_is_promoted_after_a_sigkill_and_a_preemption(tmp_path: Path) -> None:
@@ -207,7 +221,7 @@ def test_standby_is_promoted_after_a_sigkill_and_a_preemption(tmp_path: Path) ->
         {"kind": "sigkill", "step": 7, "attempt": 0},
         {"kind": "sigterm", "step": 13, "attempt": 1},
     ]
-    config, outcome, sleeps = _run(tmp_path, faults, RetryPolicy(max_failures=1, backoff_s=3))
+    config, outcome, sleeps = _run(tmp_path, faults, max_failures=1, backoff_s=3)
 
     assert outcome.succeeded, outcome.message
     got = [(a.outcome, a.from_standby) for a in outcome.attempts]
@@ -219,7 +233,7 @@ def test_standby_is_promoted_after_a_sigkill_and_a_preemption(tmp_path: Path) ->
     assert sleeps == []  # first of their kind: promoted at once
     assert [a.last_step for a in outcome.attempts] == [6, 13, 20]
 
-    events = read_events(config.job_url)
+    events = read_events(config.layout)
     marks = [e for e in events if e.name == Mark.FAILURE]
     assert [(e.attempt, e.attrs["cause"], e.step) for e in marks] == [
         (0, "sigkill", 6),
@@ -234,7 +248,7 @@ def test_standby_is_promoted_after_a_sigkill_and_a_preemption(tmp_path: Path) ->
     assert launches == [(0, True)]
     assert [e.attempt for e in events if e.name == Span.SCHEDULING] == [0]
 
-    report = report_for_job(config.job_url)
+    report = report_for_job(config.layout)
     assert report.num_failures == 2 and report.finished
     assert [f.cause for f in report.failures] == ["sigkill", "preempted"]
     assert [s.attempt for s in report.standbys] == [1, 2]
@@ -248,17 +262,20 @@ def test_standby_is_promoted_after_a_sigkill_and_a_preemption(tmp_path: Path) ->
 
 def _run_in_thread(tmp_path: Path, steps: int, env: dict[str, str], caplog):
     """The job on a thread (its fake trainers see ``env``); returns (config, thread, result)."""
-    config, spec = _spec(tmp_path, [], steps, **env)
-    runner = JobRunner(config.job_url, spec, RetryPolicy(max_failures=2, backoff_s=0))
+    config = _config(tmp_path, [], steps, max_failures=2)
     result: list[JobOutcome] = []
-    thread = threading.Thread(target=lambda: result.append(runner.run()), daemon=True)
+
+    def job() -> None:
+        result.append(run(config, launcher=(FAKE,), env=_env(tmp_path, **env)).outcome)
+
+    thread = threading.Thread(target=job, daemon=True)
     caplog.set_level(logging.INFO, logger="ett.orchestrator")
     thread.start()
     return config, thread, result
 
 
 def _has(config, name: str, mark: str) -> bool:
-    path = Path(str(config.job_url).removeprefix("file://"), "ledger", name)
+    path = Path(str(config.layout.url).removeprefix("file://"), "ledger", name)
     return path.exists() and f'"name":"{mark}"' in path.read_text()
 
 
@@ -309,7 +326,7 @@ def test_a_standby_lost_while_parked_is_marked_and_replaced_under_a_new_number(
         caplog.text
     )
     assert "promoting standby attempt 2" in caplog.text
-    report = report_for_job(config.job_url)
+    report = report_for_job(config.layout)
     assert report.finished and [s.attempt for s in report.lost_standbys] == [1]
     assert report.num_failures == 1 and [a.attempt for a in report.attempts] == [0, 2]
     assert _fake_pids(tmp_path) == []
@@ -333,7 +350,7 @@ def test_standbys_lost_in_a_row_leave_the_job_without_one_and_the_relaunch_says_
     assert [(a.attempt, a.from_standby) for a in outcome.attempts] == [(0, False), (4, False)]
     assert "3 lost in a row: going on without a standby" in caplog.text
     assert re.search(r"relaunching cold \(standby attempt 3 lost at \d\d:\d\d:\d\d\)", caplog.text)
-    report = report_for_job(config.job_url)
+    report = report_for_job(config.layout)
     assert [(s.attempt, s.cause, s.parked) for s in report.lost_standbys] == [
         (1, "crash", True),
         (2, "crash", True),
@@ -341,7 +358,7 @@ def test_standbys_lost_in_a_row_leave_the_job_without_one_and_the_relaunch_says_
     ]
     assert [a.attempt for a in report.attempts] == [0, 4] and report.finished
     assert not (
-        Path(str(config.job_url).removeprefix("file://"))
+        Path(str(config.layout.url).removeprefix("file://"))
         / "ledger"
         / "trainer-attempt005-rank000.jsonl"
     ).exists()  # no standby behind attempt 4
@@ -357,17 +374,15 @@ def test_failures_recovered_in_process_reach_the_next_attempts_mtbf(
     counts only the one that ended an attempt."""
     faults = [{"kind": "sigkill", "step": 9, "attempt": 0}]
     env = {"FAKE_EXCEPTION_STEPS": "3,6"}
-    config, outcome, _ = _run(
-        tmp_path, faults, RetryPolicy(max_failures=1), standby=standby, env=env
-    )
+    config, outcome, _ = _run(tmp_path, faults, env, max_failures=1, standby=standby)
     assert outcome.succeeded, outcome.message
     assert [a.restarts_in_process for a in outcome.attempts] == [2, 0]
     assert outcome.failures == 1  # the in-process restarts are not attempt failures
-    events = read_events(config.job_url)
+    events = read_events(config.layout)
     told = {e.attempt: e.attrs["failures"] for e in events if e.name == Mark.ATTEMPT_START}
-    if standby:  # the standby was spawned before any failure; its promotion carries them
+    if standby:  # spawned before any failure, it reads the job's state again when promoted
         promoted = {e.attempt: e.attrs["failures"] for e in events if e.name == Mark.PROMOTED}
-        assert (told[0], told[1], promoted) == (0, 0, {1: 3})
+        assert (told[0], promoted) == (0, {1: 3})
         # attempt 1's own standby, when it got as far as starting before the job ended
         assert told.get(2, 3) == 3
     else:
@@ -377,12 +392,12 @@ def test_failures_recovered_in_process_reach_the_next_attempts_mtbf(
 
 def test_same_failure_repeating_backs_off(tmp_path: Path) -> None:
     faults = [{"kind": "crash", "step": 3, "attempt": a} for a in range(3)]
-    config, outcome, sleeps = _run(tmp_path, faults, RetryPolicy(max_failures=2, backoff_s=1))
+    config, outcome, sleeps = _run(tmp_path, faults, max_failures=2, backoff_s=1)
     assert not outcome.succeeded
     assert [a.outcome for a in outcome.attempts] == [Outcome.CRASH] * 3
     assert "3 failures exceed max_failures=2" in outcome.message
     assert sleeps == [1.0]  # the first crash relaunches at once, the repeat waits
-    report = report_for_job(config.job_url)  # the failed job still has a report
+    report = report_for_job(config.layout)  # the failed job still has a report
     assert report.num_failures == 3 and not report.finished
     assert _fake_pids(tmp_path) == []
 
@@ -397,17 +412,16 @@ def test_hang_with_chatty_output_is_killed_with_its_whole_tree(tmp_path: Path) -
     """The hung trainer keeps printing: output is not progress. It also has a child in a
     session of its own (as torchrun's ranks are): the tree kill must end it too."""
     faults = [{"kind": "hang", "step": 5, "attempt": 0}]
-    timeouts = Timeouts(hang_s=1.5, startup_s=60, grace_s=1.0)
     config, outcome, _ = _run(
         tmp_path,
         faults,
-        RetryPolicy(backoff_s=0),
+        {"FAKE_RANK_CHILD": str(tmp_path / "child"), **HANG_LIMIT},
         standby=False,
-        timeouts=timeouts,
-        env={"FAKE_RANK_CHILD": str(tmp_path / "child"), **HANG_LIMIT},
+        hang_timeout_s=1.5,
+        startup_timeout_s=60,
     )
     assert [a.outcome for a in outcome.attempts] == [Outcome.HANG, Outcome.SUCCESS]
-    mark = next(e for e in read_events(config.job_url) if e.name == Mark.FAILURE)
+    mark = next(e for e in read_events(config.layout) if e.name == Mark.FAILURE)
     assert mark.attrs["cause"] == "hang" and mark.step == 4
     assert _fake_pids(tmp_path) == []
     children = [int(p.read_text()) for p in tmp_path.glob("child.*")]
@@ -425,7 +439,7 @@ def test_the_hang_kill_itself_ends_every_process_of_the_attempt(tmp_path: Path) 
     faults = [{"kind": "hang", "step": 3, "attempt": 0}]
     env = {"FAKE_RANK_CHILD": str(tmp_path / "child"), **HANG_LIMIT}
     _, spec = _spec(tmp_path, faults, **env)
-    attempt = AttemptProcess.spawn(spec, 0, False, {}, logging.getLogger("test-watch"))
+    attempt = AttemptProcess.spawn(spec, 0, False, {}, JobState(), logging.getLogger("test-watch"))
     try:
         code, hung, last = watch(attempt, Timeouts(hang_s=1.0, startup_s=60, grace_s=5.0))
         assert hung and last is not None and last.step == 2
@@ -445,9 +459,7 @@ def test_a_child_started_while_training_is_ended_after_its_rank_is_killed(tmp_pa
     faults = [{"kind": "sigkill", "step": 80, "attempt": 0}]
     env = {"FAKE_RANK_CHILD": str(tmp_path / "child"), "FAKE_RANK_CHILD_STEP": "10"}
     try:
-        _, outcome, _ = _run(
-            tmp_path, faults, RetryPolicy(max_failures=0), standby=False, steps=100, env=env
-        )
+        _, outcome, _ = _run(tmp_path, faults, env, max_failures=0, standby=False, steps=100)
         assert [a.outcome for a in outcome.attempts] == [Outcome.SIGKILL]
         child = int((tmp_path / "child.0").read_text())
         deadline = time.monotonic() + 10  # signalled: it is gone once the kernel delivers it
@@ -463,8 +475,9 @@ def test_a_child_started_while_training_is_ended_after_its_rank_is_killed(tmp_pa
 def test_preemptions_are_not_failures(tmp_path: Path) -> None:
     """Two preemptions with max_failures=0: not one failure, the job succeeds."""
     faults = [{"kind": "sigterm", "step": 3 + a, "attempt": a} for a in range(2)]
-    policy = RetryPolicy(max_failures=0, max_preemptions=2)
-    _, outcome, sleeps = _run(tmp_path, faults, policy, standby=False, steps=8)
+    _, outcome, sleeps = _run(
+        tmp_path, faults, max_failures=0, max_preemptions=2, standby=False, steps=8
+    )
     assert outcome.succeeded, outcome.message
     assert [a.outcome for a in outcome.attempts] == [Outcome.PREEMPTED] * 2 + [Outcome.SUCCESS]
     assert [a.last_step for a in outcome.attempts] == [3, 4, 8]
@@ -474,8 +487,9 @@ def test_preemptions_are_not_failures(tmp_path: Path) -> None:
 
 def test_an_endless_preemption_loop_stops_at_max_preemptions(tmp_path: Path) -> None:
     faults = [{"kind": "sigterm", "step": 3 + a, "attempt": a} for a in range(4)]
-    policy = RetryPolicy(max_failures=0, max_preemptions=2)
-    _, outcome, sleeps = _run(tmp_path, faults, policy, standby=False, steps=8)
+    _, outcome, sleeps = _run(
+        tmp_path, faults, max_failures=0, max_preemptions=2, standby=False, steps=8
+    )
     assert not outcome.succeeded
     assert [a.outcome for a in outcome.attempts] == [Outcome.PREEMPTED] * 3
     assert outcome.message == "preempted 3 times, more than max_preemptions=2"
@@ -485,19 +499,19 @@ def test_an_endless_preemption_loop_stops_at_max_preemptions(tmp_path: Path) -> 
 
 def test_bad_config_is_not_retried(tmp_path: Path) -> None:
     env = {"FAKE_EXIT_CODE": str(ExitCode.USAGE)}
-    _, outcome, sleeps = _run(tmp_path, [], RetryPolicy(max_failures=3), env=env)
+    _, outcome, sleeps = _run(tmp_path, [], env, max_failures=3)
     assert not outcome.succeeded and len(outcome.attempts) == 1 and sleeps == []
     assert outcome.attempts[0].outcome == Outcome.BAD_CONFIG
     assert "not retried" in outcome.message
 
 
 def test_unpromoted_standby_is_released_and_not_accounted(tmp_path: Path) -> None:
-    config, outcome, _ = _run(tmp_path, [], RetryPolicy(), steps=60)
+    config, outcome, _ = _run(tmp_path, [], steps=60)
     assert outcome.succeeded and len(outcome.attempts) == 1
-    events = read_events(config.job_url)
+    events = read_events(config.layout)
     assert any(e.name == Mark.STANDBY_READY and e.attempt == 1 for e in events)
     assert not any(e.name == Mark.PROMOTED for e in events)
-    report = report_for_job(config.job_url)
+    report = report_for_job(config.layout)
     assert [a.attempt for a in report.attempts] == [0] and report.standbys == ()
     assert _fake_pids(tmp_path) == []
 
@@ -507,46 +521,61 @@ class _Cancelled(BaseException):
 
 
 def test_cancelled_job_preempts_its_attempt_and_ends_the_standby(tmp_path: Path) -> None:
-    config, spec = _spec(tmp_path, [], steps=100_000)
-    runner = JobRunner(config.job_url, spec, RetryPolicy(), timeouts=Timeouts(grace_s=20))
-
-    def watch_then_cancel(attempt: AttemptProcess) -> object:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # until the standby is parked
-            standby = runner._standby.progress() if runner._standby is not None else None
-            if standby is not None and standby.phase == "parked":
-                raise _Cancelled()
-            runner._progress(attempt, attempt.progress()) if attempt.progress() else None
-            time.sleep(0.05)
-        raise AssertionError("the standby never parked")
-
-    with pytest.raises(_Cancelled):
-        runner.run(watch_then_cancel)
-    events = read_events(config.job_url)
+    """The flow run is cancelled while it watches attempt 0 (its standby parked): the
+    attempt is preempted (it checkpoints at its step boundary), the standby ended."""
+    config = _config(tmp_path, [], steps=100_000)
+    with (
+        pytest.raises(_Cancelled),
+        Orchestrator(config, launcher=(FAKE,), env=_env(tmp_path)) as job,
+    ):
+        for attempt in job:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # until the standby is parked
+                standby = job._standby.progress() if job._standby is not None else None
+                if standby is not None and standby.phase == "parked":
+                    raise _Cancelled()
+                if (progress := attempt.progress()) is not None:
+                    job._progress(progress)
+                time.sleep(0.05)
+            raise AssertionError("the standby never parked")
+    events = read_events(config.layout)
     # SIGTERM -> the attempt checkpointed at its step boundary and exited as preempted.
     assert any(e.name == Mark.CHECKPOINT_COMMITTED and e.attempt == 0 for e in events)
+    assert job.result is not None and not job.result.outcome.succeeded
     assert _fake_pids(tmp_path) == []
+
+
+class _Settled(JobObserver):
+    """Stops the job at the first progress after which its side work would start."""
+
+    def __init__(self) -> None:
+        self.job: Orchestrator | None = None
+        self.seen: list[str | None] = []
+
+    def progress(self, progress: Progress) -> None:
+        job = self.job
+        assert job is not None
+        if job._settled:
+            standby = job._standby.progress() if job._standby is not None else None
+            self.seen.append(standby.phase if standby is not None else None)
+            raise _Cancelled()  # the rest of the job is not needed
 
 
 @pytest.mark.parametrize("standby", [True, False])
 def test_side_work_starts_once_training_runs_and_the_standby_is_parked(
     tmp_path: Path, standby: bool
 ) -> None:
-    """``on_settled`` (where the flow starts its side evaluator) comes when the job trains and
-    its standby, if it has one, is parked: not while the standby still starts, as both would
-    compete for the CPU. Without a standby it comes at the first step."""
-    config, spec = _spec(tmp_path, [], steps=1500)  # about 30 s: a job that never settles ends
-    seen: list[str | None] = []
-
-    def settled() -> None:
-        progress = runner._standby.progress() if runner._standby is not None else None
-        seen.append(progress.phase if progress is not None else None)
-        raise _Cancelled()  # the rest of the job is not needed
-
-    runner = JobRunner(config.job_url, spec, RetryPolicy(), standby=standby, on_settled=settled)
-    with pytest.raises(_Cancelled):
-        runner.run()
-    assert seen == [Phase.PARKED if standby else None]
+    """The job settles (where the side evaluator starts) when it trains and its standby,
+    if it has one, is parked: not while the standby still starts, as both would compete for
+    the CPU. Without a standby it settles at the first step."""
+    config = _config(tmp_path, [], steps=1500, standby=standby)  # ~30 s: never settling ends
+    observer = _Settled()
+    orchestrator = Orchestrator(config, observer, launcher=(FAKE,), env=_env(tmp_path))
+    with pytest.raises(_Cancelled), orchestrator as job:
+        observer.job = job
+        for attempt in job:
+            job.watch(attempt)
+    assert observer.seen == [Phase.PARKED if standby else None]
     assert _fake_pids(tmp_path) == []
 
 
@@ -556,14 +585,15 @@ def test_orchestrator_death_stops_its_trainers(tmp_path: Path) -> None:
     root = str(Path(FAKE).parents[1])
     script = (
         f"import sys; sys.path.insert(0, {root!r})\n"
-        "from tasks.attempts import JobRunner, LaunchSpec, RetryPolicy\n"
-        f"spec = LaunchSpec({spec.config_path!r}, launcher=({FAKE!r},))\n"
-        f"JobRunner({config.job_url!r}, spec, RetryPolicy()).run()\n"
+        "from infra.settings import load_resolved\n"
+        "from tasks.orchestrator import run\n"
+        f"run(load_resolved({spec.config_path!r}), launcher=({FAKE!r},), "
+        f"env={_env(tmp_path)!r})\n"
     )
     orchestrator = subprocess.Popen([sys.executable, "-c", script])
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not any(
-        e.name == Mark.STANDBY_READY for e in read_events(config.job_url)
+        e.name == Mark.STANDBY_READY for e in read_events(config.layout)
     ):
         time.sleep(0.1)
     assert _fake_pids(tmp_path), "the job never started"
@@ -573,15 +603,13 @@ def test_orchestrator_death_stops_its_trainers(tmp_path: Path) -> None:
     while _fake_pids(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _fake_pids(tmp_path) == []
-    events = read_events(config.job_url)
+    events = read_events(config.layout)
     assert any(e.name == Mark.CHECKPOINT_COMMITTED and e.attempt == 0 for e in events)
 
 
 def test_next_attempt_continues_numbering(tmp_path: Path) -> None:
-    config, outcome, _ = _run(
-        tmp_path, [{"kind": "crash", "step": 3, "attempt": 0}], RetryPolicy(), standby=False
-    )
-    assert outcome.succeeded and next_attempt(config.job_url) == 2
-    env_attempts = {e.attempt for e in read_events(config.job_url)}
+    config, outcome, _ = _run(tmp_path, [{"kind": "crash", "step": 3, "attempt": 0}], standby=False)
+    assert outcome.succeeded and next_attempt(config.layout) == 2
+    env_attempts = {e.attempt for e in read_events(config.layout)}
     assert env_attempts == {0, 1}
     assert os.path.exists(tmp_path / "store" / "jobs" / config.job_id / "fake_ckpt.txt")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from infra.settings import dump_config
-from tasks.attempts import LaunchSpec
+from tasks.attempt import LaunchSpec
 from tests.factories import ROOT, tiny_config, write_dataset
 from trainer.distributed import backend_devices, process_group_backend
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from infra import storage
-from infra.accounting.ledger import read_events
+from infra.accounting.ledger_read import read_events
 from infra.exit_codes import ExitCode
 from tests.factories import ROOT, run_trainer, tiny_config, write_dataset
 from trainer import compile_cache, compiled
@@ -192,7 +192,7 @@ def test_corrupt_cache_is_skipped_and_the_job_trains(tmp_path):
     assert result.returncode == ExitCode.SUCCESS, out[-4000:]
     assert "compile cache" in out and "skipped (corrupt)" in out
 
-    events = read_events(config.job_url)
+    events = read_events(config.layout)
     load = [e for e in events if e.attrs.get("stage") == "compile_cache_load"]
     assert load and load[0].attrs["cache_status"] == "corrupt"
     assert max(e.step for e in events if e.name == "train_step") == 18

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from infra.accounting.ledger import read_events
+from infra.accounting.ledger_read import read_events
 from tests.factories import run_trainer, tiny_config, write_dataset
 
 
@@ -22,7 +22,7 @@ def test_two_ranks_train_sharded_tables_and_agree(tmp_path) -> None:
     result = run_trainer(config, tmp_path, nproc=2)
     assert result.returncode == 0, result.stdout[-3000:]
 
-    events = read_events(config.job_url)
+    events = read_events(config.layout)
     for rank in (0, 1):
         steps = [e for e in events if e.rank == rank and e.name == "train_step"]
         assert [e.step for e in steps] == list(range(1, 31)), f"rank {rank} missed steps"

@@ -24,12 +24,13 @@ from typing import Any
 import pytest
 
 from infra import storage
-from infra.accounting.ledger import Span, read_events
+from infra.accounting.ledger_format import Span
+from infra.accounting.ledger_read import read_events
+from infra.checkpoint_manifest import MANIFEST, committed_checkpoints
 from infra.exit_codes import ExitCode
 from infra.processes import pid_alive
 from infra.settings import JobConfig, dump_config
 from tests.factories import ROOT, run_trainer, tiny_config, write_dataset
-from trainer.checkpoint.manifest import MANIFEST, committed_checkpoints
 from trainer.checkpoint_evaluator import CheckpointEvaluator
 from trainer.data.sequential import holdout_batches
 
@@ -119,12 +120,12 @@ def evaluators() -> Iterator[list[Evaluator]]:
 
 
 def async_evals(config: JobConfig) -> list:
-    return [e for e in read_events(config.job_url) if e.name == Span.ASYNC_EVAL]
+    return [e for e in read_events(config.layout) if e.name == Span.ASYNC_EVAL]
 
 
 def in_loop_evals(config: JobConfig, rank: int = 0) -> dict[int, dict]:
     return {
-        e.step: e.attrs for e in read_events(config.job_url) if e.name == "eval" and e.rank == rank
+        e.step: e.attrs for e in read_events(config.layout) if e.name == "eval" and e.rank == rank
     }
 
 
@@ -147,7 +148,7 @@ def processes_mentioning(text: str) -> list[int]:
 
 
 def checkpoint_dir(config: JobConfig, step: int) -> Path:
-    (ckpt,) = [c for c in committed_checkpoints(config.job_url) if c.step == step]
+    (ckpt,) = [c for c in committed_checkpoints(config.layout) if c.step == step]
     local = storage.local_path(ckpt.url)
     assert local is not None
     return Path(local)
@@ -165,7 +166,7 @@ def test_evaluates_each_eval_step_once_beside_a_one_rank_trainer(tmp_path, evalu
 
     preempted = run_trainer(config, tmp_path, nproc=1)
     assert preempted.returncode != 0, preempted.stdout[-3000:]
-    assert 22 in [c.step for c in committed_checkpoints(config.job_url)]  # the preemption save
+    assert 22 in [c.step for c in committed_checkpoints(config.layout)]  # the preemption save
     ev.wait_for("step 20 holdout auc=")  # evaluated while no attempt is running
     time.sleep(1.0)  # a few polls: no anchor yet, so it keeps waiting
     assert ev.proc.poll() is None, ev.log[-3000:]
@@ -217,7 +218,9 @@ def test_two_rank_checkpoints_load_into_one_cpu_model_and_bad_ones_are_skipped(
     two_rank_store, tmp_path, evaluators
 ) -> None:
     config, path = copy_job(two_rank_store, tmp_path)
-    metrics_path = Path(str(storage.local_path(storage.join(config.job_url, "final_metrics.json"))))
+    metrics_path = Path(
+        str(storage.local_path(storage.join(config.layout.url, "final_metrics.json")))
+    )
     metrics_path.unlink()  # written by the trainer: the evaluator must write its own
 
     # Step 10: one byte flipped (same size): fails verification. Step 20: a shard file gone,
@@ -258,7 +261,7 @@ def test_checkpoint_deleted_after_listing_is_skipped_and_the_next_one_evaluated(
     checkpoint (manifest first, then the folder) before it is read; the next one loads
     whole into the same model."""
     config, _ = copy_job(two_rank_store, tmp_path)
-    listed = {c.step: c for c in committed_checkpoints(config.job_url)}
+    listed = {c.step: c for c in committed_checkpoints(config.layout)}
     work = tmp_path / "work"
     work.mkdir()
     holdout = holdout_batches(config.data, 0, 1, EVAL_ROWS, config.data.eval_batch_size)

@@ -13,33 +13,41 @@ from pathlib import Path
 
 import pytest
 
-from infra.accounting.ledger import Mark, read_events
+from infra.accounting.ledger_format import Mark
+from infra.accounting.ledger_read import read_events
 from infra.exit_codes import Outcome
-from infra.settings import JobConfig, dump_config
-from tasks.attempts import JobOutcome, JobRunner, LaunchSpec, RetryPolicy, Timeouts
-from tests.factories import assert_bit_identical, resume_marks, tiny_config, write_dataset
+from infra.settings import JobConfig
+from tasks.orchestrator import JobOutcome, run
+from tests.factories import (
+    assert_bit_identical,
+    resume_marks,
+    tiny_config,
+    write_dataset,
+)
 
 EVERY = 5
 
 
 def run_job(config: JobConfig, tmp_path: Path, nproc: int, standby: bool) -> JobOutcome:
     """The job through the orchestrator's attempt loop, as the flow and `ett train` run it."""
-    path = tmp_path / f"{config.job_id}.yaml"
-    dump_config(config, path)
-    spec = LaunchSpec(str(path), nproc=nproc, env={"OMP_NUM_THREADS": "1"})
-    runner = JobRunner(
-        config.job_url,
-        spec,
-        RetryPolicy(max_failures=5, backoff_s=0),
-        Timeouts(grace_s=30),
-        standby=standby,
+    sections = {
+        "launch": {"nproc": nproc},
+        "recovery": {"max_failures": 5, "backoff_s": 0, "standby": standby},
+    }
+    job = config.model_copy(
+        update={k: getattr(config, k).model_copy(update=v) for k, v in sections.items()}
     )
-    return runner.run()
+    return run(job, env={"OMP_NUM_THREADS": "1"}).outcome
 
 
 SECTIONS = {
-    "train": {"steps": 25, "eval_every": 0, "eval_rows": 256, "log_every": 5},
-    "checkpoint": {"mode": "async_staged", "every_steps": EVERY, "keep_latest_k": 2},
+    "train": {"steps": 25, "eval": "off", "eval_rows": 256, "log_every": 5},
+    "checkpoint": {
+        "mode": "async_staged",
+        "every_steps": EVERY,
+        "keep_latest_k": 2,
+        "preemption_budget_s": 20,
+    },
 }
 
 
@@ -88,7 +96,7 @@ def test_standby_promotion_and_in_process_restart_are_bit_identical(tmp_path) ->
     # SIGTERM landed in step 21; the ranks agree one step later (no barrier on the hot
     # path), so both stopped after step 22 and saved it.
     assert marks[2] == (2, 22, False)
-    events = read_events(faulted.job_url)
+    events = read_events(faulted.layout)
     assert {e.attempt for e in events if e.name == Mark.PROMOTED and e.rank == 0} == {1, 2}
 
 

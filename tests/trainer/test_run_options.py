@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 
 from infra.accounting.ett import report_for_job
-from infra.accounting.ledger import INIT_SPANS, Mark, Span, read_events
+from infra.accounting.ledger_format import INIT_SPANS, Mark, Span
+from infra.accounting.ledger_read import read_events
+from infra.checkpoint_manifest import committed_checkpoints
 from infra.control import Phase, Progress
 from infra.exit_codes import Outcome
-from infra.settings import JobConfig, dump_config
-from tasks.attempts import JobRunner, LaunchSpec, RetryPolicy, Timeouts
+from infra.settings import JobConfig
+from tasks.orchestrator import JobObserver, run
 from tests.factories import (
     assert_bit_identical,
     resume_marks,
@@ -23,7 +25,6 @@ from tests.factories import (
     tiny_config,
     write_dataset,
 )
-from trainer.checkpoint.manifest import committed_checkpoints
 
 STEPS = 6
 
@@ -53,7 +54,7 @@ def serial_job(tmp_path_factory: pytest.TempPathFactory, data_url: str) -> JobCo
 
 
 def _rank0(config: JobConfig, attempt: int = 0) -> list:
-    return [e for e in read_events(config.job_url) if e.rank == 0 and e.attempt == attempt]
+    return [e for e in read_events(config.layout) if e.rank == 0 and e.attempt == attempt]
 
 
 def test_serial_init_runs_its_stages_one_after_another(serial_job: JobConfig) -> None:
@@ -86,7 +87,7 @@ def test_every_seconds_checkpoints_by_the_clock(serial_job: JobConfig) -> None:
     assert commits == list(range(1, STEPS + 1))
     [interval] = [e.attrs for e in events if e.name == Mark.CHECKPOINT_INTERVAL]
     assert interval["reason"] == "fixed" and interval["interval_s"] == 1e-6
-    kept = committed_checkpoints(serial_job.job_url)
+    kept = committed_checkpoints(serial_job.layout)
     assert [c.step for c in kept] == [6, 5, 4] and kept[0].manifest.anchor
 
 
@@ -95,7 +96,7 @@ def test_resume_from_an_explicit_checkpoint_url(
 ) -> None:
     """Another job resumes from the serial job's step-4 checkpoint, named by its URL: it
     trains steps 5 and 6 only and ends bit-identical to the job it came from."""
-    [source] = [c for c in committed_checkpoints(serial_job.job_url) if c.step == 4]
+    [source] = [c for c in committed_checkpoints(serial_job.layout) if c.step == 4]
     config = tiny_config(
         tmp_path,
         job_id="from-url",
@@ -113,6 +114,16 @@ def test_resume_from_an_explicit_checkpoint_url(
     assert_bit_identical(serial_job, config, STEPS)
 
 
+class ProgressSeen(JobObserver):
+    """Every progress record the orchestrator sampled."""
+
+    def __init__(self) -> None:
+        self.seen: list[Progress] = []
+
+    def progress(self, progress: Progress) -> None:
+        self.seen.append(progress)
+
+
 def test_progress_reaches_the_orchestrator_and_every_recovery_resumes_at_its_commit(
     tmp_path: Path, data_url: str
 ) -> None:
@@ -127,40 +138,36 @@ def test_progress_reaches_the_orchestrator_and_every_recovery_resumes_at_its_com
         tmp_path,
         job_id="watched",
         data={"url": data_url},
-        train={"steps": steps},
-        checkpoint={"every_steps": 2},
-        recovery={"standby": False, "in_process_window_s": 3600},
+        train={"steps": steps, "eval": "off"},
+        checkpoint={"every_steps": 2, "preemption_budget_s": 20},
+        recovery={
+            "standby": False,
+            "in_process_window_s": 3600,
+            "max_failures": 1,
+            "backoff_s": 0,
+        },
         faults=[
             {"kind": "crash", "step": 5, "attempt": 0},
             {"kind": "crash", "step": 7, "attempt": 0},
         ],
     )
-    path = tmp_path / "watched.yaml"
-    dump_config(config, path)
-    seen: list[Progress] = []
-    runner = JobRunner(
-        config.job_url,
-        LaunchSpec(str(path), env={"OMP_NUM_THREADS": "1"}),
-        RetryPolicy(max_failures=1, backoff_s=0),
-        Timeouts(grace_s=30),
-        standby=False,
-        on_progress=seen.append,
-    )
-    outcome = runner.run()
+    watcher = ProgressSeen()
+    outcome = run(config, watcher, env={"OMP_NUM_THREADS": "1"}).outcome
+    seen = watcher.seen
 
     assert [a.outcome for a in outcome.attempts] == [Outcome.CRASH, Outcome.SUCCESS]
     assert [a.last_step for a in outcome.attempts] == [6, steps]
     assert [a.total_steps for a in outcome.attempts] == [steps, steps]
     assert [a.restarts_in_process for a in outcome.attempts] == [1, 0]
     assert all(a.reached_trainer_s is not None for a in outcome.attempts)
-    # on_progress sees the record as sampled (every 50 ms): not every step, but only steps
+    # The observer sees the record as sampled (every 50 ms): not every step, but only steps
     # that ran, of this job's total.
     training = [p for p in seen if p.phase == Phase.TRAINING]
     assert training and all(0 < p.step <= steps and p.total == steps for p in training)
     assert {p.phase for p in seen} <= {Phase.INIT, Phase.TRAINING, Phase.DONE}
 
     assert resume_marks(config) == [(0, 4, True), (1, 6, False)]
-    events = read_events(config.job_url)
+    events = read_events(config.layout)
     [failure] = [e for e in events if e.name == Mark.FAILURE]
     assert (failure.attempt, failure.step, failure.attrs["cause"]) == (0, 6, "crash")
     restarts = [e for e in events if e.name == Mark.IN_PROCESS_RESTART]
@@ -170,7 +177,7 @@ def test_progress_reaches_the_orchestrator_and_every_recovery_resumes_at_its_com
     assert [(e.attempt, e.attrs["failures"]) for e in intervals] == [(0, 0), (1, 2)]
     launches = [e for e in events if e.name == Span.LAUNCHER_INIT]
     assert [e.attrs["reached_trainer"] for e in launches] == [True, True]
-    report = report_for_job(config.job_url)
+    report = report_for_job(config.layout)
     assert report.finished
     assert [(f.attempt, f.cause, f.last_step, f.in_process) for f in report.failures] == [
         (0, "crash", 5, True),

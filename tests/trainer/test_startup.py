@@ -13,7 +13,10 @@ import torch
 from torch._dynamo.utils import counters
 
 from infra.accounting.ett import compute_report
-from infra.accounting.ledger import Ledger, Span, read_events
+from infra.accounting.ledger import Ledger
+from infra.accounting.ledger_format import Span
+from infra.accounting.ledger_read import read_events
+from infra.job_layout import JobLayout
 from tests.factories import tiny_config
 from trainer import compiled
 from trainer.data.batch import Batch
@@ -68,11 +71,13 @@ def overlap(a, b) -> bool:
 
 @pytest.mark.parametrize("parallel", [True, False])
 def test_stage_graph_overlaps_independent_stages(tmp_path, parallel):
-    ledger = Ledger(f"file://{tmp_path}/job")
+    ledger = Ledger(JobLayout.at(f"file://{tmp_path}/job"))
     done = run_stages(graph([]), ledger, parallel=parallel)
     ledger.close()
     assert done == {s.key for s in graph([])}
-    events = {e.attrs.get("stage", e.name): e for e in read_events(f"file://{tmp_path}/job")}
+    events = {
+        e.attrs.get("stage", e.name): e for e in read_events(JobLayout.at(f"file://{tmp_path}/job"))
+    }
     assert len(events) == 6
     for s in graph([]):  # every stage started after its dependencies ended
         for dep in s.deps:
@@ -103,21 +108,23 @@ def test_stage_error_stops_the_graph_after_running_stages_finish(tmp_path):
         ),
     ]
     with pytest.raises(ValueError, match="loader failed"):
-        run_stages(stages, Ledger(f"file://{tmp_path}/job"), parallel=True)
-    names = [e.attrs.get("stage", e.name) for e in read_events(f"file://{tmp_path}/job")]
+        run_stages(stages, Ledger(JobLayout.at(f"file://{tmp_path}/job")), parallel=True)
+    names = [
+        e.attrs.get("stage", e.name) for e in read_events(JobLayout.at(f"file://{tmp_path}/job"))
+    ]
     assert "compile" in names  # the running compile stage was waited for: its span is written
     assert log == ["start init-compile"]  # nothing started after the failure
 
 
 def test_stage_spans_feed_the_init_breakdown(tmp_path):
-    ledger = Ledger(f"file://{tmp_path}/job")
+    ledger = Ledger(JobLayout.at(f"file://{tmp_path}/job"))
     with ledger.span(Span.DEVICE_INIT):
         pass
     run_stages(graph([]), ledger, parallel=True)
     with ledger.span(Span.TRAIN_STEP, step=1):
         pass
     ledger.close()
-    report = compute_report(read_events(f"file://{tmp_path}/job"))
+    report = compute_report(read_events(JobLayout.at(f"file://{tmp_path}/job")))
     init = report.init[0]
     assert init.union_s < init.sum_s  # stages overlapped
     assert "pre_train" in init.critical_path
@@ -147,7 +154,7 @@ def test_no_recompiles_across_batch_sizes_and_jagged_lengths(tmp_path, monkeypat
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(INDUCTOR_DIR))
     config = tiny_config(tmp_path, train={"compile": True})
     job = f"file://{tmp_path}/job"
-    ledger = Ledger(job)
+    ledger = Ledger(JobLayout.at(job))
     gen = torch.Generator().manual_seed(0)
     torch._dynamo.reset()
     with torch.compiler.config.patch(unbacked_sources="", job_id=None):
@@ -189,7 +196,7 @@ def test_no_recompiles_across_batch_sizes_and_jagged_lengths(tmp_path, monkeypat
             torch._logging.set_logs()
             torch._dynamo.reset()
     ledger.close()
-    marks = [e for e in read_events(job) if e.name == "recompile"]
+    marks = [e for e in read_events(JobLayout.at(job)) if e.name == "recompile"]
     trained = [e.attrs for e in marks if e.attrs["phase"] == "train"]
     assert len(trained) == 1 and "dtype" in trained[0]["reason"], trained
     assert watcher.count == {"init": 1, "train": 1}  # init: the eval graph (grad mode off)

@@ -28,20 +28,15 @@ from torch.distributed._shard.sharded_tensor import (
 )
 
 from infra import storage
-from infra.accounting.ledger import Ledger, read_events
+from infra.accounting.ledger import Ledger
+from infra.accounting.ledger_read import read_events
+from infra.checkpoint_manifest import MANIFEST, Manifest, committed_checkpoints, failed_marker
+from infra.job_layout import JobLayout, step_dir_name
 from infra.settings import JobConfig, load_config
 from tests.factories import HeldState
 from tests.reliability.cutting_proxy import RequestCutter
 from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.checkpoint.manifest import (
-    MANIFEST,
-    Manifest,
-    checkpoints_url,
-    committed_checkpoints,
-    failed_marker,
-    step_dir_name,
-    verify_files,
-)
+from trainer.checkpoint.verify import verify_files
 
 ROWS, DIM = 64, 8
 
@@ -98,7 +93,7 @@ def test_checkpoint_holds_the_weights_of_its_step_though_the_loop_moves_on(
 ) -> None:
     config = _config(tmp_path, mode)
     storage.configure(config.storage)
-    ledger = Ledger(f"file://{tmp_path}/ledger")
+    ledger = Ledger(JobLayout.at(f"file://{tmp_path}/ledger"))
     ckpt = Checkpointer(config, rank=0, world_size=1, ledger=ledger, process_group=group)
     state = _state(group, 0.0)
     position = _register(ckpt, state)
@@ -113,7 +108,7 @@ def test_checkpoint_holds_the_weights_of_its_step_though_the_loop_moves_on(
     finally:
         ckpt.close()
         ledger.close()
-    committed = committed_checkpoints(config.job_url)
+    committed = committed_checkpoints(config.layout)
     assert [c.step for c in committed] == [3, 2]  # keep_latest_k=2
     loaded = _load(committed[0].url, group)
     assert torch.equal(loaded["model"]["dense.weight"], torch.full((ROWS, DIM), 3.0))
@@ -121,7 +116,7 @@ def test_checkpoint_holds_the_weights_of_its_step_though_the_loop_moves_on(
     assert torch.equal(table, torch.full((ROWS, DIM), 3.0))
     trainer_state = storage.read_text(storage.join(committed[0].url, "trainer_state.rank000.json"))
     assert '"shard_pos": 3' in trainer_state
-    events = read_events(f"file://{tmp_path}/ledger")
+    events = read_events(JobLayout.at(f"file://{tmp_path}/ledger"))
     assert {e.step for e in events if e.name == "checkpoint_blocking"} == {1, 2, 3}
 
 
@@ -132,7 +127,7 @@ def test_async_staged_writes_nothing_until_the_copy_is_released(
     for the cores, and nothing is written before the loop may move on."""
     config = _config(tmp_path, "async_staged")
     storage.configure(config.storage)
-    ledger = Ledger(f"file://{tmp_path}/ledger")
+    ledger = Ledger(JobLayout.at(f"file://{tmp_path}/ledger"))
     ckpt = Checkpointer(config, rank=0, world_size=1, ledger=ledger, process_group=group)
     state = _state(group, 7.0)
     _register(ckpt, state)
@@ -148,7 +143,7 @@ def test_async_staged_writes_nothing_until_the_copy_is_released(
     finally:
         ckpt.close()
         ledger.close()
-    assert [c.step for c in committed_checkpoints(config.job_url)] == [1]
+    assert [c.step for c in committed_checkpoints(config.layout)] == [1]
 
 
 def test_a_failed_staging_copy_fails_that_checkpoint_not_training(
@@ -156,7 +151,7 @@ def test_a_failed_staging_copy_fails_that_checkpoint_not_training(
 ) -> None:
     config = _config(tmp_path, "async_staged")
     storage.configure(config.storage)
-    ledger = Ledger(f"file://{tmp_path}/ledger")
+    ledger = Ledger(JobLayout.at(f"file://{tmp_path}/ledger"))
     ckpt = Checkpointer(config, rank=0, world_size=1, ledger=ledger, process_group=group)
     state = _state(group, 1.0)
     _register(ckpt, state)
@@ -183,21 +178,25 @@ def test_a_failed_staging_copy_fails_that_checkpoint_not_training(
         ckpt.close()
         ledger.close()
     assert ckpt.failed_steps == [2]
-    assert [c.step for c in committed_checkpoints(config.job_url)] == [1]
-    marks = [e for e in read_events(f"file://{tmp_path}/ledger") if e.name == "checkpoint_failed"]
+    assert [c.step for c in committed_checkpoints(config.layout)] == [1]
+    marks = [
+        e
+        for e in read_events(JobLayout.at(f"file://{tmp_path}/ledger"))
+        if e.name == "checkpoint_failed"
+    ]
     assert [m.step for m in marks] == [2] and "staging buffer" in marks[0].attrs["error"]
 
 
 def test_a_committed_step_is_not_written_again(tmp_path, group: dist.ProcessGroup) -> None:
     config = _config(tmp_path, "sync")
     storage.configure(config.storage)
-    ledger = Ledger(f"file://{tmp_path}/ledger")
+    ledger = Ledger(JobLayout.at(f"file://{tmp_path}/ledger"))
     ckpt = Checkpointer(config, rank=0, world_size=1, ledger=ledger, process_group=group)
     state = _state(group, 1.0)
     _register(ckpt, state)
     try:
         ckpt.save(1)
-        [first] = committed_checkpoints(config.job_url)
+        [first] = committed_checkpoints(config.layout)
         folder = storage.local_path(first.url) or ""
         before = {n: os.stat(os.path.join(folder, n)).st_mtime_ns for n in os.listdir(folder)}
         _fill(state, 2.0)
@@ -208,7 +207,7 @@ def test_a_committed_step_is_not_written_again(tmp_path, group: dist.ProcessGrou
     assert ckpt.skipped_steps == [1] and ckpt.failed_steps == []
     after = {n: os.stat(os.path.join(folder, n)).st_mtime_ns for n in os.listdir(folder)}
     assert after == before
-    assert committed_checkpoints(config.job_url)[0].manifest == first.manifest
+    assert committed_checkpoints(config.layout)[0].manifest == first.manifest
 
 
 @pytest.mark.parametrize(("eval_mode", "kept"), [("async", [5, 4, 2]), ("inline", [5])])
@@ -231,7 +230,7 @@ def test_with_a_side_evaluator_retention_keeps_the_eval_step_checkpoints(
     finally:
         ckpt.close()
         ledger.close()
-    assert [c.step for c in committed_checkpoints(config.job_url)] == kept
+    assert [c.step for c in committed_checkpoints(config.layout)] == kept
 
 
 def test_a_commit_below_newer_committed_steps_keeps_itself_and_what_may_be_in_flight(
@@ -258,7 +257,7 @@ def test_a_commit_below_newer_committed_steps_keeps_itself_and_what_may_be_in_fl
     finally:
         ckpt.close()
         ledger.close()
-    folders = Path(storage.local_path(checkpoints_url(before.job_url)) or "")
+    folders = Path(storage.local_path(before.layout.checkpoints) or "")
     for step in (8, 12):  # uncommitted: a crashed save below 10, a save in flight above it
         (folders / step_dir_name(step)).mkdir()
         (folders / step_dir_name(step) / "__0_0.distcp").write_bytes(b"partial")
@@ -275,10 +274,10 @@ def test_a_commit_below_newer_committed_steps_keeps_itself_and_what_may_be_in_fl
     finally:
         ckpt.close()
         ledger.close()
-    assert [c.step for c in committed_checkpoints(config.job_url)] == [40, 30, 10, 1]
+    assert [c.step for c in committed_checkpoints(config.layout)] == [40, 30, 10, 1]
     names = sorted(p.name for p in folders.iterdir() if p.name.startswith("step-"))
     assert names == [step_dir_name(s) for s in (1, 10, 12, 30, 40)]
-    loaded = _load(storage.join(checkpoints_url(config.job_url), step_dir_name(10)), group)
+    loaded = _load(storage.join(config.layout.checkpoints, step_dir_name(10)), group)
     assert torch.equal(loaded["model"]["dense.weight"], torch.full((ROWS, DIM), 2.0))
 
 
@@ -293,7 +292,7 @@ def test_markers_of_an_earlier_try_never_complete_a_new_commit(
 
     config = _config(tmp_path, "sync")
     storage.configure(config.storage)
-    url = storage.join(checkpoints_url(config.job_url), step_dir_name(1))
+    url = storage.join(config.layout.checkpoints, step_dir_name(1))
     stale = {"__1_0.distcp": {"size": 1, "sha256": "stale"}}
     for name in ("_done.rank001.json", "_done.rank001.earlier-0.json"):
         storage.write_text(storage.join(url, name), json.dumps(stale))
@@ -320,7 +319,7 @@ def test_markers_of_an_earlier_try_never_complete_a_new_commit(
                 return
             time.sleep(0.01)
 
-    ledger = Ledger(f"file://{tmp_path}/ledger")
+    ledger = Ledger(JobLayout.at(f"file://{tmp_path}/ledger"))
     ckpt = Checkpointer(config, rank=0, world_size=2, ledger=ledger)
     helper = threading.Thread(target=rank1)
     helper.start()
@@ -333,7 +332,7 @@ def test_markers_of_an_earlier_try_never_complete_a_new_commit(
         ckpt.close()
         ledger.close()
     assert ckpt.failed_steps == []
-    [committed] = committed_checkpoints(config.job_url)
+    [committed] = committed_checkpoints(config.layout)
     assert committed.manifest.files["__1_0.distcp"].sha256 == "fresh"
     assert committed.manifest.nonce and committed.manifest.nonce != "earlier-0"
 
@@ -357,13 +356,13 @@ def _checkpointer(
     tmp_path, config: JobConfig, group: dist.ProcessGroup, on_phase: Callable | None = None
 ) -> tuple[Checkpointer, Ledger]:
     storage.configure(config.storage)
-    ledger = Ledger(f"file://{tmp_path}/ledger")
+    ledger = Ledger(JobLayout.at(f"file://{tmp_path}/ledger"))
     hook = {"on_phase": on_phase} if on_phase is not None else {}
     return Checkpointer(config, 0, 1, ledger, process_group=group, **hook), ledger
 
 
 def _failed_marks(tmp_path) -> list[tuple[int | None, str]]:
-    events = read_events(f"file://{tmp_path}/ledger")
+    events = read_events(JobLayout.at(f"file://{tmp_path}/ledger"))
     return [(e.step, e.attrs["error"]) for e in events if e.name == "checkpoint_failed"]
 
 
@@ -387,7 +386,7 @@ def test_saving_before_any_state_is_registered_is_a_clear_error(
         ckpt.close()
         ledger.close()
     assert ckpt.failed_steps == [] and _failed_marks(tmp_path) == []
-    assert not storage.exists(checkpoints_url(config.job_url))
+    assert not storage.exists(config.layout.checkpoints)
 
 
 def test_emergency_save_waits_for_the_inflight_one_and_commits_its_step(
@@ -405,9 +404,9 @@ def test_emergency_save_waits_for_the_inflight_one_and_commits_its_step(
     finally:
         ckpt.close()
         ledger.close()
-    assert [c.step for c in committed_checkpoints(_config(tmp_path, "async").job_url)] == [2, 1]
+    assert [c.step for c in committed_checkpoints(_config(tmp_path, "async").layout)] == [2, 1]
     assert ckpt.skipped_steps == [2] and ckpt.failed_steps == []
-    loaded = _load(committed_checkpoints(_config(tmp_path, "async").job_url)[0].url, group)
+    loaded = _load(committed_checkpoints(_config(tmp_path, "async").layout)[0].url, group)
     assert torch.equal(loaded["model"]["dense.weight"], torch.full((ROWS, DIM), 2.0))
 
 
@@ -429,8 +428,8 @@ def test_emergency_save_abandons_an_inflight_upload_that_outlasts_the_budget(
         assert not ckpt.emergency_save(2, budget_s=0.2)
         ckpt.close()  # returns although step 1's upload is still held
         assert held.reached.is_set() and not held.release.is_set()
-        assert committed_checkpoints(config.job_url) == []
-        assert not storage.exists(storage.join(checkpoints_url(config.job_url), step_dir_name(2)))
+        assert committed_checkpoints(config.layout) == []
+        assert not storage.exists(storage.join(config.layout.checkpoints, step_dir_name(2)))
     finally:
         held.release.set()
         ledger.close()
@@ -452,7 +451,7 @@ def test_emergency_save_that_outlasts_the_budget_is_not_the_latest(
         assert not ckpt.emergency_save(2, budget_s=0.2)
         ckpt.close()  # does not wait for the abandoned save
         assert not held.release.is_set()
-        assert [c.step for c in committed_checkpoints(config.job_url)] == [1]
+        assert [c.step for c in committed_checkpoints(config.layout)] == [1]
         assert _failed_marks(tmp_path) == [(2, "preemption budget exceeded")]
     finally:
         held.release.set()
@@ -470,7 +469,7 @@ def test_emergency_save_with_checkpoints_off_writes_nothing(
     finally:
         ckpt.close()
         ledger.close()
-    assert not storage.exists(checkpoints_url(config.job_url))
+    assert not storage.exists(config.layout.checkpoints)
 
 
 def _emergency_save_as_rank_1(
@@ -483,7 +482,7 @@ def _emergency_save_as_rank_1(
     """Rank 1's emergency save of step 1 in a 2-rank job, with rank 0 played by a thread
     running ``rank_0`` until ``stop`` is set: what the save answered, and the checkpointer."""
     storage.configure(config.storage)
-    ledger = Ledger(f"file://{tmp_path}/ledger")
+    ledger = Ledger(JobLayout.at(f"file://{tmp_path}/ledger"))
     ckpt = Checkpointer(config, rank=1, world_size=2, ledger=ledger)
     helper = threading.Thread(target=rank_0)
     helper.start()
@@ -509,7 +508,7 @@ def test_emergency_save_on_another_rank_answers_what_rank_0_did(
     import time
 
     config = _config(tmp_path, "sync")
-    url = storage.join(checkpoints_url(config.job_url), step_dir_name(1))
+    url = storage.join(config.layout.checkpoints, step_dir_name(1))
     stop = threading.Event()
 
     def rank_0() -> None:
@@ -577,10 +576,10 @@ def test_on_s3_a_failed_upload_leaves_its_step_uncommitted(
         ckpt.close()
         ledger.close()
     assert cut.count > 0 and ckpt.failed_steps == [2]
-    [latest] = committed_checkpoints(config.job_url)
+    [latest] = committed_checkpoints(config.layout)
     assert latest.step == 1
     verify_files(latest.url, latest.manifest)
-    step2 = storage.join(checkpoints_url(config.job_url), step_dir_name(2))
+    step2 = storage.join(config.layout.checkpoints, step_dir_name(2))
     assert not storage.exists(storage.join(step2, MANIFEST))
     assert [step for step, _ in _failed_marks(tmp_path)] == [2]
 
@@ -603,10 +602,10 @@ def test_on_s3_a_step_whose_commit_cannot_be_checked_is_not_written(
         ckpt.close()
         ledger.close()
     assert cut.count > 0 and ckpt.failed_steps == [2]
-    assert [c.step for c in committed_checkpoints(config.job_url)] == [1]
+    assert [c.step for c in committed_checkpoints(config.layout)] == [1]
     [(step, error)] = _failed_marks(tmp_path)
     assert step == 2 and "cannot tell whether step 2 is committed already" in error
-    step2 = storage.join(checkpoints_url(config.job_url), step_dir_name(2))
+    step2 = storage.join(config.layout.checkpoints, step_dir_name(2))
     assert not [n for n in storage.listdir(step2) if not n.startswith("_failed.")]
 
 
@@ -620,7 +619,7 @@ def test_on_s3_an_emergency_save_on_rank_1_outlasts_a_failing_look_at_its_commit
     import time
 
     config = _s3_config(s3_proxy, "s3-confirm")
-    url = storage.join(checkpoints_url(config.job_url), step_dir_name(1))
+    url = storage.join(config.layout.checkpoints, step_dir_name(1))
     # The save's own check that step 1 is not committed goes through; the looks after fail.
     cut = s3_proxy.cut("HEAD", re.escape(f"/{step_dir_name(1)}/{MANIFEST}"), after=1)
     stop = threading.Event()

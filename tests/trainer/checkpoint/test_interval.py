@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from infra.accounting.ledger import Ledger, Mark, read_events
+from infra.accounting.ledger import Ledger
+from infra.accounting.ledger_format import Mark
+from infra.accounting.ledger_read import read_events
+from infra.job_layout import JobLayout
 from infra.settings import load_config
 from trainer.checkpoint.interval import FailureHistory, IntervalPolicy, IntervalReason
 
@@ -24,7 +27,7 @@ class Clock:
 
 def policy(tmp_path: Path, clock: Clock, history=FailureHistory(), **checkpoint) -> IntervalPolicy:  # noqa: B008
     config = load_config(checkpoint=checkpoint).checkpoint
-    ledger = Ledger(f"file://{tmp_path}/job", clock=clock)
+    ledger = Ledger(JobLayout.at(f"file://{tmp_path}/job"), clock=clock)
     return IntervalPolicy(config, 1000, ledger, history, clock=clock)
 
 
@@ -41,7 +44,7 @@ def one_checkpoint(p: IntervalPolicy, clock: Clock, blocking: float, slow: list[
 
 def marks(tmp_path: Path) -> list[dict]:
     p = f"file://{tmp_path}/job"
-    return [e.attrs for e in read_events(p) if e.name == Mark.CHECKPOINT_INTERVAL]
+    return [e.attrs for e in read_events(JobLayout.at(p)) if e.name == Mark.CHECKPOINT_INTERVAL]
 
 
 def test_fixed_steps_are_the_same_on_every_rank_and_the_clock_is_not_asked(tmp_path: Path) -> None:

@@ -5,22 +5,20 @@ from __future__ import annotations
 import pytest
 
 from infra import storage
-from trainer.checkpoint.manifest import (
+from infra.checkpoint_manifest import (
     MANIFEST,
     CheckpointError,
     FileEntry,
     Manifest,
-    checkpoints_url,
     committed_checkpoints,
-    sha256_url,
-    step_dir_name,
-    verify_files,
 )
+from infra.job_layout import JobLayout, step_dir_name
 from trainer.checkpoint.retention import purge_old, purge_uncommitted
+from trainer.checkpoint.verify import sha256_url, verify_files
 
 
 def _fake_checkpoint(job_url: str, step: int, commit: bool = True, anchor: bool = False) -> str:
-    url = storage.join(checkpoints_url(job_url), step_dir_name(step))
+    url = storage.join(JobLayout.at(job_url).checkpoints, step_dir_name(step))
     data = f"weights-{step}".encode()
     storage.write_bytes(storage.join(url, "__0_0.distcp"), data)
     if commit:
@@ -42,12 +40,12 @@ def test_only_manifested_folders_are_committed(job_url: str) -> None:
     _fake_checkpoint(job_url, 10)
     _fake_checkpoint(job_url, 20)
     _fake_checkpoint(job_url, 30, commit=False)  # crashed before its manifest
-    assert [c.step for c in committed_checkpoints(job_url)] == [20, 10]
+    assert [c.step for c in committed_checkpoints(JobLayout.at(job_url))] == [20, 10]
 
 
 def test_verify_detects_corruption_and_missing_files(job_url: str) -> None:
     url = _fake_checkpoint(job_url, 10)
-    ckpt = committed_checkpoints(job_url)[0]
+    ckpt = committed_checkpoints(JobLayout.at(job_url))[0]
     verify_files(url, ckpt.manifest)  # intact: no error
     storage.write_bytes(storage.join(url, "__0_0.distcp"), b"weights-1X")  # same size, new bytes
     with pytest.raises(CheckpointError, match="checksum mismatch in __0_0.distcp"):
@@ -64,25 +62,25 @@ def test_unreadable_manifest_is_skipped_not_fatal(job_url: str) -> None:
     _fake_checkpoint(job_url, 10)
     bad = _fake_checkpoint(job_url, 20)
     storage.write_text(storage.join(bad, MANIFEST), '{"step": 20, "files": ')
-    assert [c.step for c in committed_checkpoints(job_url)] == [10]
+    assert [c.step for c in committed_checkpoints(JobLayout.at(job_url))] == [10]
 
 
 def test_retention_keeps_the_newest_eval_steps_for_the_side_evaluator(job_url: str) -> None:
     for step in range(10, 110, 10):
         _fake_checkpoint(job_url, step)
-    purge_old(job_url, keep_latest_k=2, eval_every=20)
+    purge_old(JobLayout.at(job_url), keep_latest_k=2, eval_every=20)
     # 100 and 90 are the latest k; 100, 80 and 60 the newest eval steps (EVAL_BACKLOG = 3).
-    assert [c.step for c in committed_checkpoints(job_url)] == [100, 90, 80, 60]
-    purge_old(job_url, keep_latest_k=2)  # no side evaluator: the latest k only
-    assert [c.step for c in committed_checkpoints(job_url)] == [100, 90]
+    assert [c.step for c in committed_checkpoints(JobLayout.at(job_url))] == [100, 90, 80, 60]
+    purge_old(JobLayout.at(job_url), keep_latest_k=2)  # no side evaluator: the latest k only
+    assert [c.step for c in committed_checkpoints(JobLayout.at(job_url))] == [100, 90]
 
 
 def test_retention_with_an_eval_at_every_step_keeps_the_eval_backlog(job_url: str) -> None:
     """``eval_every: 1`` makes every step an eval step: the newest EVAL_BACKLOG are kept."""
     for step in (1, 2, 3, 4, 5):
         _fake_checkpoint(job_url, step)
-    purge_old(job_url, keep_latest_k=1, eval_every=1)
-    assert [c.step for c in committed_checkpoints(job_url)] == [5, 4, 3]
+    purge_old(JobLayout.at(job_url), keep_latest_k=1, eval_every=1)
+    assert [c.step for c in committed_checkpoints(JobLayout.at(job_url))] == [5, 4, 3]
 
 
 def test_retention_keeps_latest_k_anchor_and_inflight(job_url: str) -> None:
@@ -91,12 +89,12 @@ def test_retention_keeps_latest_k_anchor_and_inflight(job_url: str) -> None:
         _fake_checkpoint(job_url, step)
     _fake_checkpoint(job_url, 15, commit=False)  # stale debris: older than the newest commit
     _fake_checkpoint(job_url, 50, commit=False)  # newer than the newest commit: in flight
-    purge_old(job_url, keep_latest_k=2)
-    assert [c.step for c in committed_checkpoints(job_url)] == [40, 30, 5]
-    names = storage.listdir(checkpoints_url(job_url))
+    purge_old(JobLayout.at(job_url), keep_latest_k=2)
+    assert [c.step for c in committed_checkpoints(JobLayout.at(job_url))] == [40, 30, 5]
+    names = storage.listdir(JobLayout.at(job_url).checkpoints)
     assert step_dir_name(50) in names and step_dir_name(15) not in names
-    purge_uncommitted(job_url)  # at the start of an attempt nothing is in flight
-    assert step_dir_name(50) not in storage.listdir(checkpoints_url(job_url))
+    purge_uncommitted(JobLayout.at(job_url))  # at the start of an attempt nothing is in flight
+    assert step_dir_name(50) not in storage.listdir(JobLayout.at(job_url).checkpoints)
 
 
 def test_spools_of_killed_attempts_are_removed_and_live_ones_kept(tmp_path, monkeypatch) -> None:
@@ -125,8 +123,8 @@ def test_retention_never_deletes_the_checkpoint_just_committed(job_url: str) -> 
     _fake_checkpoint(job_url, 30)
     just = _fake_checkpoint(job_url, 10)
     _fake_checkpoint(job_url, 5)
-    purge_old(job_url, keep_latest_k=1, keep=just)
-    assert [c.step for c in committed_checkpoints(job_url)] == [30, 10]
+    purge_old(JobLayout.at(job_url), keep_latest_k=1, keep=just)
+    assert [c.step for c in committed_checkpoints(JobLayout.at(job_url))] == [30, 10]
 
 
 def test_retention_spares_uncommitted_folders_newer_than_the_checkpoint_just_committed(
@@ -138,25 +136,28 @@ def test_retention_spares_uncommitted_folders_newer_than_the_checkpoint_just_com
     just = _fake_checkpoint(job_url, 10)
     _fake_checkpoint(job_url, 5, commit=False)  # debris, older than the one just committed
     _fake_checkpoint(job_url, 20, commit=False)  # newer: may be in flight
-    deleted = purge_old(job_url, keep_latest_k=2, keep=just)
-    assert deleted == [storage.join(checkpoints_url(job_url), step_dir_name(5))]
-    assert step_dir_name(20) in storage.listdir(checkpoints_url(job_url))
+    deleted = purge_old(JobLayout.at(job_url), keep_latest_k=2, keep=just)
+    assert deleted == [storage.join(JobLayout.at(job_url).checkpoints, step_dir_name(5))]
+    assert step_dir_name(20) in storage.listdir(JobLayout.at(job_url).checkpoints)
 
 
 def test_quarantine_moves_a_checkpoint_out_of_the_committed_ones(job_url: str) -> None:
     import json
 
-    from trainer.checkpoint.manifest import QUARANTINE, quarantine
+    from infra.checkpoint_manifest import QUARANTINE
+    from trainer.checkpoint.verify import quarantine
 
     _fake_checkpoint(job_url, 10)
     bad = _fake_checkpoint(job_url, 20)
     moved = quarantine(bad, "checksum mismatch in __0_0.distcp")
-    assert [c.step for c in committed_checkpoints(job_url)] == [10]
-    assert step_dir_name(20) not in storage.listdir(checkpoints_url(job_url))
-    assert moved.startswith(storage.join(checkpoints_url(job_url), QUARANTINE, step_dir_name(20)))
+    assert [c.step for c in committed_checkpoints(JobLayout.at(job_url))] == [10]
+    assert step_dir_name(20) not in storage.listdir(JobLayout.at(job_url).checkpoints)
+    assert moved.startswith(
+        storage.join(JobLayout.at(job_url).checkpoints, QUARANTINE, step_dir_name(20))
+    )
     assert storage.exists(storage.join(moved, "__0_0.distcp"))
     assert storage.exists(storage.join(moved, MANIFEST))
     reason = json.loads(storage.read_text(storage.join(moved, "_quarantined.json")))["reason"]
     assert reason == "checksum mismatch in __0_0.distcp"
-    purge_old(job_url, keep_latest_k=1)  # retention leaves the quarantine alone
+    purge_old(JobLayout.at(job_url), keep_latest_k=1)  # retention leaves the quarantine alone
     assert storage.exists(storage.join(moved, MANIFEST))

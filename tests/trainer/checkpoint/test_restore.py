@@ -14,17 +14,16 @@ import torch.distributed as dist
 
 from infra import storage
 from infra.accounting.ledger import Ledger
-from infra.settings import JobConfig, load_config
-from tests.factories import HeldState
-from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.checkpoint.manifest import (
+from infra.checkpoint_manifest import (
     QUARANTINE,
     CheckpointCorrupt,
     CheckpointError,
-    checkpoints_url,
     committed_checkpoints,
-    step_dir_name,
 )
+from infra.job_layout import JobLayout, step_dir_name
+from infra.settings import JobConfig, load_config
+from tests.factories import HeldState
+from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.restore import Restored, fetch, restore
 
 
@@ -45,7 +44,7 @@ def _state(fill: float) -> dict[str, Any]:
 def _save(config: JobConfig, group: dist.ProcessGroup, tmp_path, *steps: int) -> None:
     """Commit a checkpoint at each step, its tensors filled with the step number."""
     storage.configure(config.storage)
-    ledger = Ledger(f"file://{tmp_path}/ledger-{config.job_id}")
+    ledger = Ledger(JobLayout.at(f"file://{tmp_path}/ledger-{config.job_id}"))
     ckpt = Checkpointer(config, 0, 1, ledger, process_group=group)
     tensors = {key: HeldState(part) for key, part in _state(0.0).items()}
     position = HeldState({})
@@ -63,7 +62,7 @@ def _save(config: JobConfig, group: dist.ProcessGroup, tmp_path, *steps: int) ->
 
 
 def _url(config: JobConfig, step: int) -> str:
-    return storage.join(checkpoints_url(config.job_url), step_dir_name(step))
+    return storage.join(config.layout.checkpoints, step_dir_name(step))
 
 
 def _corrupt(config: JobConfig, step: int) -> None:
@@ -80,7 +79,7 @@ def _restore(config: JobConfig, group: dist.ProcessGroup, world_size: int = 1):
 
 
 def _steps(config: JobConfig) -> list[int]:
-    return [c.step for c in committed_checkpoints(config.job_url)]
+    return [c.step for c in committed_checkpoints(config.layout)]
 
 
 def test_the_newest_committed_checkpoint_is_loaded(tmp_path, group) -> None:
@@ -103,7 +102,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_and_is_quarantined(tmp_path, gro
     assert got is not None and got.checkpoint.step == 1 and got.extra["step"] == 1
     assert torch.equal(state["model"]["w"], torch.full((4, 3), 1.0))
     assert _steps(config) == [1]  # both corrupt ones moved out of the committed ones
-    moved = storage.listdir(storage.join(checkpoints_url(config.job_url), QUARANTINE))
+    moved = storage.listdir(storage.join(config.layout.checkpoints, QUARANTINE))
     assert sorted(name.rsplit("-", 2)[0] for name in moved) == [step_dir_name(2), step_dir_name(3)]
 
 
@@ -113,7 +112,7 @@ def test_a_corrupt_checkpoint_that_cannot_be_quarantined_still_falls_back(tmp_pa
     config = _config(f"file://{tmp_path}/store")
     _save(config, group, tmp_path, 1, 2)
     _corrupt(config, 2)
-    blocker = storage.local_path(storage.join(checkpoints_url(config.job_url), QUARANTINE))
+    blocker = storage.local_path(storage.join(config.layout.checkpoints, QUARANTINE))
     assert blocker is not None
     with open(blocker, "w") as fh:
         fh.write("not a folder")
@@ -234,7 +233,7 @@ def test_a_local_disk_error_while_fetching_is_a_storage_error(tmp_path, group) -
     _save(config, group, tmp_path, 1)
     in_the_way = tmp_path / "downloads"
     in_the_way.write_text("a file, not a folder")
-    ckpt = committed_checkpoints(config.job_url)[0]
+    ckpt = committed_checkpoints(config.layout)[0]
     with pytest.raises(storage.StorageError, match=f"reading checkpoint {ckpt.url} failed"):
         fetch(ckpt, str(in_the_way))
     assert _steps(config) == [1]

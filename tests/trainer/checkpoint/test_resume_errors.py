@@ -30,11 +30,13 @@ from typing import Any
 import pytest
 
 from infra import storage
-from infra.accounting.ledger import read_events
+from infra.accounting.ledger_read import read_events
+from infra.checkpoint_manifest import committed_checkpoints
 from infra.exit_codes import ExitCode
+from infra.job_layout import step_dir_name
 from infra.settings import JobConfig, dump_config
 from tests.factories import ROOT, run_trainer, tiny_config, write_dataset
-from trainer.checkpoint.manifest import committed_checkpoints, step_dir_name, verify_files
+from trainer.checkpoint.verify import verify_files
 
 pytestmark = pytest.mark.slow
 
@@ -118,7 +120,7 @@ def preempted_job(tmp_path_factory: pytest.TempPathFactory, data_url: str) -> Pr
         tmp, data_url, faults=[{"kind": "sigterm", "step": PREEMPT_AT, "attempt": 0}]
     )
     first = run_alone(config, tmp)
-    committed = [c.step for c in committed_checkpoints(config.job_url)]
+    committed = [c.step for c in committed_checkpoints(config.layout)]
     second = run_alone(config, tmp)
     return PreemptedJob(config, first, committed, second)
 
@@ -145,7 +147,7 @@ def test_preempted_job_saves_at_the_step_boundary_and_resumes(
     assert EVERY in job.committed_after_first  # the periodic one before it stays
 
     assert exit_code(job.second) == ExitCode.SUCCESS, output(job.second)[-3000:]
-    events = read_events(job.config.job_url)
+    events = read_events(job.config.layout)
     blocking = [
         e
         for e in events
@@ -156,7 +158,7 @@ def test_preempted_job_saves_at_the_step_boundary_and_resumes(
     assert resumes == [(1, PREEMPT_AT)], resumes
     steps_run = sorted(e.step for e in events if e.attempt == 1 and e.name == "train_step")
     assert steps_run == list(range(PREEMPT_AT + 1, STEPS + 1)), steps_run
-    newest = committed_checkpoints(job.config.job_url)[0]
+    newest = committed_checkpoints(job.config.layout)[0]
     assert newest.step == STEPS and newest.manifest.anchor
     verify_files(newest.url, newest.manifest)
 
@@ -175,7 +177,7 @@ def test_corrupt_newest_checkpoint(
 ) -> None:
     copy_store(preempted_job.config, tmp_path)
     strict = make_config(tmp_path, data_url, checkpoint={"fallback_on_corrupt": False})
-    [newest, previous, *_] = committed_checkpoints(strict.job_url)
+    [newest, previous, *_] = committed_checkpoints(strict.layout)
     assert (newest.step, previous.step) == (STEPS, PREEMPT_AT)
     corrupt = storage.local_path(newest.url)
     assert corrupt is not None
@@ -189,7 +191,7 @@ def test_corrupt_newest_checkpoint(
     errors = [line for line in result.stdout.splitlines() if "cannot resume" in line]
     assert errors, output(result)[-3000:]
     assert step_dir_name(STEPS) in errors[0] and f"checksum mismatch in {name}" in errors[0]
-    assert not any(e.name == "train_step" for e in read_events(strict.job_url) if e.attempt == 2)
+    assert not any(e.name == "train_step" for e in read_events(strict.layout) if e.attempt == 2)
 
     # With fallback: a warning naming the corrupt one, then resume from the previous one.
     lenient = make_config(tmp_path, data_url, steps=STEPS + 2)
@@ -198,10 +200,10 @@ def test_corrupt_newest_checkpoint(
     warnings = [line for line in result.stdout.splitlines() if "falling back" in line]
     assert warnings, result.stdout[-3000:]
     assert step_dir_name(STEPS) in warnings[0] and "checksum mismatch" in warnings[0]
-    resumes = [(e.attempt, e.step) for e in read_events(lenient.job_url) if e.name == "resume"]
+    resumes = [(e.attempt, e.step) for e in read_events(lenient.layout) if e.name == "resume"]
     assert resumes[-1] == (3, PREEMPT_AT), resumes
     # The re-trained steps re-wrote step STEPS, and every committed checkpoint verifies.
-    final = committed_checkpoints(lenient.job_url)
+    final = committed_checkpoints(lenient.layout)
     assert [c.step for c in final][:2] == [STEPS + 2, STEPS]
     for ckpt in final:
         verify_files(ckpt.url, ckpt.manifest)
@@ -214,7 +216,7 @@ def test_checkpoint_of_another_model_config(
     config = make_config(
         tmp_path, data_url, model={"embedding_dim": 4, "dense_arch": [16, 4], "over_arch": [16, 8]}
     )
-    [newest, *_] = committed_checkpoints(config.job_url)
+    [newest, *_] = committed_checkpoints(config.layout)
     assert newest.manifest.config_hash != config.model_hash()
     result = run_alone(config, tmp_path)
     assert exit_code(result) == ExitCode.CHECKPOINT_INCOMPATIBLE, output(result)[-3000:]
@@ -223,7 +225,7 @@ def test_checkpoint_of_another_model_config(
     assert "another model config" in result.stdout
     assert newest.manifest.config_hash in result.stdout and config.model_hash() in result.stdout
     # Nothing was trained or overwritten: the job's checkpoints are as they were.
-    assert [c.step for c in committed_checkpoints(config.job_url)][0] == STEPS
+    assert [c.step for c in committed_checkpoints(config.layout)][0] == STEPS
 
 
 def test_checkpoint_of_another_world_size(
@@ -231,7 +233,7 @@ def test_checkpoint_of_another_world_size(
 ) -> None:
     copy_store(two_rank_job, tmp_path)
     config = make_config(tmp_path, data_url, steps=EVERY)
-    [newest] = committed_checkpoints(config.job_url)
+    [newest] = committed_checkpoints(config.layout)
     assert newest.manifest.world_size == 2
     result = run_alone(config, tmp_path)
     assert exit_code(result) == ExitCode.CHECKPOINT_INCOMPATIBLE, output(result)[-3000:]

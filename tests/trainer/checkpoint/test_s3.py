@@ -29,18 +29,14 @@ from typing import Any
 import pytest
 
 from infra import storage
-from infra.accounting.ledger import read_events
+from infra.accounting.ledger_read import read_events
+from infra.checkpoint_manifest import MANIFEST, committed_checkpoints
 from infra.exit_codes import ExitCode
+from infra.job_layout import step_dir_name
 from infra.settings import JobConfig, dump_config
 from tests.factories import ROOT, run_trainer, tiny_config, trainer_command, write_dataset
 from tests.tcp_proxy import TcpProxy
-from trainer.checkpoint.manifest import (
-    MANIFEST,
-    checkpoints_url,
-    committed_checkpoints,
-    step_dir_name,
-    verify_files,
-)
+from trainer.checkpoint.verify import verify_files
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +78,7 @@ def s3_config(
 
 def check_committed(config: JobConfig, world_size: int) -> list[int]:
     """Every committed checkpoint's manifest matches the objects on S3; returns the steps."""
-    found = committed_checkpoints(config.job_url)
+    found = committed_checkpoints(config.layout)
     for ckpt in found:
         manifest = ckpt.manifest
         assert manifest.world_size == world_size
@@ -110,9 +106,9 @@ def test_two_rank_job_commits_on_s3_and_resumes(
         result = run_trainer(config, tmp_path, nproc=2)
         assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
         assert check_committed(config, world_size=2) == [12, 10, 5]
-        [anchor, *_] = committed_checkpoints(config.job_url)
+        [anchor, *_] = committed_checkpoints(config.layout)
         assert anchor.manifest.anchor
-        events = read_events(config.job_url)
+        events = read_events(config.layout)
         assert not [e for e in events if e.name == "checkpoint_failed"]
         commits = [e.step for e in events if e.name == "checkpoint_committed" and e.rank == 0]
         assert commits == [5, 10, 12], commits
@@ -124,11 +120,11 @@ def test_two_rank_job_commits_on_s3_and_resumes(
         result = run_trainer(more, tmp_path, nproc=2)
         assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
         resumes = {
-            (e.attempt, e.rank, e.step) for e in read_events(config.job_url) if e.name == "resume"
+            (e.attempt, e.rank, e.step) for e in read_events(config.layout) if e.name == "resume"
         }
         assert resumes == {(1, 0, 12), (1, 1, 12)}, resumes
         assert check_committed(more, world_size=2) == [17, 15, 12]
-        assert committed_checkpoints(more.job_url)[0].manifest.anchor
+        assert committed_checkpoints(more.layout)[0].manifest.anchor
     finally:
         storage.configure(None)
 
@@ -145,8 +141,8 @@ def test_a_kill_right_before_the_manifest_leaves_the_step_uncommitted(
     try:
         result = run_trainer(config, tmp_path)
         assert result.returncode == 128 + signal.SIGKILL, (result.stdout + result.stderr)[-3000:]
-        assert [c.step for c in committed_checkpoints(config.job_url)] == [5]
-        step10 = storage.join(checkpoints_url(config.job_url), step_dir_name(10))
+        assert [c.step for c in committed_checkpoints(config.layout)] == [5]
+        step10 = storage.join(config.layout.checkpoints, step_dir_name(10))
         left = set(storage.listdir(step10))
         assert MANIFEST not in left and {".metadata", "config.yaml"} <= left, left
         assert any(name.startswith("_done.rank000.") for name in left), left
@@ -156,7 +152,7 @@ def test_a_kill_right_before_the_manifest_leaves_the_step_uncommitted(
         )
         result = run_trainer(again, tmp_path)
         assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-        resumes = [e.step for e in read_events(config.job_url) if e.name == "resume"]
+        resumes = [e.step for e in read_events(config.layout) if e.name == "resume"]
         assert resumes == [5], resumes
         assert check_committed(again, world_size=1) == [15, 10, 5]
     finally:
@@ -217,7 +213,7 @@ def wait_for_first_commit(config: JobConfig, attempt: Attempt, timeout_s: float)
     """Poll S3 (directly, not through the proxy) for the job's first committed checkpoint."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        found = committed_checkpoints(config.job_url)
+        found = committed_checkpoints(config.layout)
         if found:
             return found[-1].step
         if attempt.proc.poll() is not None:
@@ -263,7 +259,7 @@ def test_storage_outage_fails_checkpoints_loudly_and_training_goes_on(
             failures = attempt.wait_for_lines(FAILED_LINE, count=2, timeout_s=120)
             failed_steps = [int(m.group(1)) for m in failures]
             # Still down: the failed ones are not committed; the previous one is the latest.
-            latest = committed_checkpoints(config.job_url)[0].step
+            latest = committed_checkpoints(config.layout)[0].step
             assert first <= latest < failed_steps[0] < failed_steps[1], (latest, failed_steps)
             outage_s = time.monotonic() - started
         assert proxy.refused > 0, "the outage refused no connection"
@@ -273,7 +269,7 @@ def test_storage_outage_fails_checkpoints_loudly_and_training_goes_on(
         attempt.stop()
         proxy.close()
 
-    events = [e for e in read_events(config.job_url) if e.attempt == 0 and e.rank == 0]
+    events = [e for e in read_events(config.layout) if e.attempt == 0 and e.rank == 0]
     failed = [e for e in events if e.name == "checkpoint_failed"]
     assert [e.step for e in failed][:2] == failed_steps, failed
     # The retry budget was spent (the one in flight when the outage began may have failed
@@ -283,7 +279,7 @@ def test_storage_outage_fails_checkpoints_loudly_and_training_goes_on(
     assert sorted(e.step for e in events if e.name == "train_step") == list(range(1, steps + 1))
     # No failed checkpoint was ever committed; after the outage later ones commit again.
     for mark in failed:
-        url = storage.join(checkpoints_url(config.job_url), step_dir_name(mark.step or 0))
+        url = storage.join(config.layout.checkpoints, step_dir_name(mark.step or 0))
         assert not storage.exists(storage.join(url, MANIFEST)), url
     last_failed = max(e.step or 0 for e in failed)
     committed = [e.step or 0 for e in events if e.name == "checkpoint_committed"]
@@ -313,7 +309,7 @@ def test_an_outage_through_the_end_fails_the_attempt_so_it_is_retried(
     assert code == ExitCode.ANCHOR_NOT_SAVED, attempt.tail()
     assert "rank 0 failed first: ANCHOR_NOT_SAVED (85)" in attempt.tail(200)
     assert f"anchor checkpoint at step {steps} did not commit" in attempt.tail(200)
-    latest = committed_checkpoints(config.job_url)[0]
+    latest = committed_checkpoints(config.layout)[0]
     assert first <= latest.step < steps and not latest.manifest.anchor
-    final = storage.join(checkpoints_url(config.job_url), step_dir_name(steps))
+    final = storage.join(config.layout.checkpoints, step_dir_name(steps))
     assert not storage.exists(storage.join(final, MANIFEST))
