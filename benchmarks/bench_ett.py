@@ -51,7 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from infra.accounting.ett import BUCKETS, EttReport, report_for_job  # noqa: E402
+from infra.accounting.ett import report_for_job  # noqa: E402
+from infra.accounting.records import BUCKETS, EttReport  # noqa: E402
 from infra.settings import dump_config, load_config  # noqa: E402
 
 VARIANTS = ("baseline", "optimized")

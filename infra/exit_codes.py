@@ -31,7 +31,8 @@ class ExitCode(IntEnum):
 
 
 class Outcome(StrEnum):
-    """What became of an attempt; also the ``cause`` of a ledger ``failure`` mark."""
+    """What became of an attempt, from the trainer's exit code to the ETT report and the
+    MLflow run's ``ett.outcome`` tag; also the ``cause`` of a ledger ``failure`` mark."""
 
     SUCCESS = "success"
     PREEMPTED = "preempted"  # SIGTERM honoured (exit 83)
@@ -44,6 +45,10 @@ class Outcome(StrEnum):
     BAD_DATA = "bad_data"
     INCOMPATIBLE = "incompatible"
     JOB_LOCKED = "job_locked"
+    # Read from a ledger only, never from an exit code (infra/accounting/ett.py):
+    STOPPED = "stopped"  # ended its shutdown without finishing the job: a planned restart
+    UNFINISHED = "unfinished"  # still running, or its end was never recorded
+    UNOBSERVED = "unobserved"  # it died, and nothing recorded how (no failure mark)
 
     @property
     def fatal(self) -> bool:
@@ -52,7 +57,8 @@ class Outcome(StrEnum):
 
     @property
     def failed(self) -> bool:
-        return self is not Outcome.SUCCESS
+        """It ended badly: the job goes on with another attempt, or stops."""
+        return self not in (Outcome.SUCCESS, Outcome.STOPPED, Outcome.UNFINISHED)
 
     @property
     def counts_as_failure(self) -> bool:

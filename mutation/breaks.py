@@ -76,7 +76,7 @@ BREAKS = (
     Break(
         "B3",
         "any output line resets the hang timer",
-        "tasks/attempts.py",
+        "tasks/attempt.py",
         (
             (
                 '            if text:\n                self.log.info("%s%s", self.prefix, text)\n',
@@ -95,7 +95,7 @@ BREAKS = (
     Break(
         "B4",
         "the hang kill signals the launcher (agent) only, not its process tree",
-        "tasks/attempts.py",
+        "tasks/attempt.py",
         (
             (
                 "            attempt.end(timeouts.grace_s, preempt=True)\n",
@@ -107,7 +107,7 @@ BREAKS = (
     Break(
         "B4b",
         "ending an attempt signals each launcher only (the rank and tree sweeps stay)",
-        "tasks/attempts.py",
+        "tasks/attempt.py",
         (
             (
                 "            signalled += processes.terminate_tree"
@@ -120,7 +120,7 @@ BREAKS = (
     Break(
         "B5",
         "hang detection switched off",
-        "tasks/attempts.py",
+        "tasks/attempt.py",
         (
             (
                 "        if (stepping and now - last_change > timeouts.hang_s) or (\n",
@@ -316,11 +316,12 @@ BREAKS = (
     Break(
         "B26",
         "standbys that keep dying are replaced for ever",
-        "tasks/attempts.py",
+        "tasks/orchestrator.py",
         (
             (
-                "        return self.standby and self._standby_losses < MAX_STANDBY_LOSSES\n",
-                "        return self.standby\n",
+                "        return self.config.recovery.standby and self._standby_losses < "
+                "MAX_STANDBY_LOSSES\n",
+                "        return self.config.recovery.standby\n",
             ),
         ),
         ATTEMPT_TESTS,
@@ -328,7 +329,7 @@ BREAKS = (
     Break(
         "B27",
         "a standby that died is not forgotten: no replacement, and the dead one is promoted",
-        "tasks/attempts.py",
+        "tasks/orchestrator.py",
         (
             (
                 "            return\n"

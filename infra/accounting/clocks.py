@@ -53,6 +53,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from infra.accounting.ledger_format import Span
+
 TOLERANCE_S = 1.0  # wall vs monotonic + offset, or a time vs the lines written after it
 LOOKBACK_S = 600.0  # how long before its file was opened a line may start (launcher_init:
 # the launch that the orchestrator's file records once it watches it)
@@ -262,7 +264,7 @@ class _Checker:
             later = ends[i + 1 : i + 1 + NEIGHBOURS]
             hi = statistics.median(later) + tol if later else math.inf
             lo = -math.inf
-            if e.name != "scheduling":
+            if e.name != Span.SCHEDULING:
                 if opened is not None:
                     lo = opened - LOOKBACK_S
                 elif legacy and (earlier := ends[max(0, i - NEIGHBOURS) : i]):

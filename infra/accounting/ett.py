@@ -65,200 +65,38 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from infra.accounting.clocks import ClockCheck
 from infra.accounting.ledger_format import INIT_SPANS, PUBLISH_SPANS, Event, Mark, Span
 from infra.accounting.ledger_read import read_ledger
+from infra.accounting.partition import critical_path, partition, union_length
+from infra.accounting.records import (
+    FAILURE_BUCKETS,
+    AttemptSummary,
+    Bucket,
+    EttReport,
+    FailureRecord,
+    InitBreakdown,
+    LostStandby,
+    ResumeRecord,
+    StandbyRecord,
+    short_reason,
+)
 from infra.exit_codes import Outcome
 from infra.job_layout import JobLayout
 
-BUCKETS = (
-    "effective_training",
-    "wasted_training",
-    "checkpoint_blocking",
-    "startup",
-    "recovery",
-    "eval",
-    "shutdown",
-    "unknown",
-    "other",
-)
-# Highest first: an instant covered by several spans/windows goes to the first of them.
-PRIORITY = (
-    "checkpoint_blocking",
-    "eval",
-    "effective_training",
-    "wasted_training",
-    "shutdown",
-    "unknown",
-    "recovery",
-    "startup",
-    "other",
-)
-FAILURE_BUCKETS = ("wasted_training", "recovery")
 # Stages whose overlap decides how long an attempt takes to reach its first step.
 STARTUP_STAGES = (Span.SCHEDULING, Span.LAUNCHER_INIT, *INIT_SPANS)
+# Spans that are a bucket of their own, wherever they lie.
+SPAN_BUCKETS = {
+    Span.CHECKPOINT_BLOCKING: Bucket.CHECKPOINT_BLOCKING,
+    Span.EVAL: Bucket.EVAL,
+    Span.SHUTDOWN: Bucket.SHUTDOWN,
+}
 # Work beside the job, not part of its wall time: publishing, the side evaluator.
 OFF_JOB_SPANS = frozenset((*PUBLISH_SPANS, Span.ASYNC_EVAL))
-
-
-@dataclass(frozen=True)
-class StandbyRecord:
-    """A warm standby that was promoted: its pre-warm ran beside another attempt."""
-
-    attempt: int
-    prewarm_s: float  # its first event -> parked (standby_ready)
-    parked_s: float  # parked -> promoted
-    promoted_at: float  # seconds from W's start
-
-
-@dataclass(frozen=True)
-class LostStandby:
-    """A warm standby that died before it was needed; another was started behind it."""
-
-    attempt: int
-    lost_at: float  # seconds from W's start, when the orchestrator saw it gone
-    parked: bool  # it had finished its init and parked
-    cause: str
-
-
-@dataclass(frozen=True)
-class ResumeRecord:
-    """One restore of training state (a ``resume`` mark of rank 0)."""
-
-    attempt: int
-    at: float  # seconds from W's start
-    step: int
-    how: str  # cold | promoted | in_process
-    url: str
-    newest_step: int | None  # the newest committed checkpoint when it looked
-    skipped: tuple[tuple[int, str, bool], ...] = ()  # (step, why, quarantined), newest first
-
-    def describe(self) -> str:
-        """``attempt 2 (promoted standby) resumed from step 125, newest 150 quarantined:
-        checksum mismatch in __1_0.distcp``."""
-        who = {"promoted": "promoted standby", "in_process": "in process"}.get(self.how, "cold")
-        text = f"attempt {self.attempt} ({who}) resumed from step {self.step}"
-        for step, why, quarantined in self.skipped:
-            verb = "quarantined" if quarantined else "skipped"
-            text += f", step {step} {verb}: {why}"
-        return text
-
-
-def short_reason(reason: str) -> str:
-    """A checkpoint error without the checkpoint's URL, which the record names already:
-    ``checkpoint s3://b/j/step-000000150 is corrupt: checksum mismatch in x`` -> ``checksum
-    mismatch in x``."""
-    for marker in (" is corrupt: ", " is "):
-        if reason.startswith("checkpoint ") and marker in reason:
-            return reason.split(marker, 1)[1]
-    return reason
-
-
-@dataclass(frozen=True)
-class FailureRecord:
-    """One failed attempt; times are seconds from W's start.
-
-    The recovery window runs from ``died_at`` (the attempt's last own event) to ``resumed_at``
-    (the first train_step of a later attempt), cut short where the next failure's window
-    begins, so the windows are disjoint and their sum is the total Time to Recover.
-    """
-
-    attempt: int
-    cause: str
-    last_step: int | None
-    died_at: float
-    detected_at: float | None
-    resumed_at: float | None
-    time_to_recover_s: float
-    in_process: bool = False  # recovered inside the living attempt (no new process)
-
-
-@dataclass(frozen=True)
-class InitBreakdown:
-    """Startup sub-stages of one attempt: their sum, their union and the critical path."""
-
-    attempt: int
-    stages: dict[str, float]
-    sum_s: float
-    union_s: float
-    wall_s: float | None  # the attempt's first event -> its first train_step
-    critical_path: tuple[str, ...]
-    critical_path_s: float
-
-
-@dataclass(frozen=True)
-class AttemptSummary:
-    attempt: int
-    start: float  # seconds from W's start
-    end: float
-    outcome: str  # completed | failed | stopped | unfinished
-    first_step: int | None
-    last_step: int | None
-
-
-@dataclass(frozen=True)
-class EttReport:
-    """Everything the calculator derives from one job's ledger (times in seconds)."""
-
-    start_time: float
-    wall_s: float
-    buckets: dict[str, float]
-    ett_pct: float
-    failure_pct: float
-    idleness_pct: float
-    time_to_start_s: float | None
-    num_failures: int
-    failures: tuple[FailureRecord, ...]
-    time_to_recover_total_s: float
-    observed_unsaved_s: float
-    train_loop_s: float
-    num_steps: int
-    num_step_executions: int
-    step_time_median_s: float | None
-    step_time_mad_s: float | None
-    checkpoint_blocking_total_s: float
-    checkpoint_blocking_mean_s: float | None
-    num_checkpoints_committed: int
-    checkpoint_interval_s: float | None
-    checkpoint_interval_steps: float | None
-    commit_latency_s: float | None
-    predicted_unsaved_s: float | None
-    predicted_blocking_s: float | None
-    attempts: tuple[AttemptSummary, ...]
-    init: tuple[InitBreakdown, ...]
-    rank_step_median_s: dict[int, float]
-    finished: bool
-    standbys: tuple[StandbyRecord, ...] = ()
-    checkpoint_interval_reason: str | None = None  # the last interval the trainer chose
-    lost_standbys: tuple[LostStandby, ...] = ()
-    resumes: tuple[ResumeRecord, ...] = ()
-    fallback_redone_s: float = 0.0  # of wasted_training: redone because a fallback went back
-    clock: ClockCheck = field(default_factory=ClockCheck)
-    segments: tuple[tuple[float, float, str], ...] = field(repr=False, default=())
-
-    def bucket_pct(self) -> dict[str, float]:
-        return {b: 100.0 * v / self.wall_s if self.wall_s else 0.0 for b, v in self.buckets.items()}
-
-    def to_dict(self, include_segments: bool = False) -> dict[str, Any]:
-        """JSON-able dict (int keys become strings); segments only on request (they are long)."""
-        out = asdict(self)
-        out["rank_step_median_s"] = {str(k): v for k, v in self.rank_step_median_s.items()}
-        out["bucket_pct"] = self.bucket_pct()
-        if not include_segments:
-            out.pop("segments")
-        return out
-
-    def to_metrics(self) -> dict[str, float]:
-        """Flat numeric metrics (MLflow-style): headline numbers, buckets, L1 metrics."""
-        scalars = {
-            k: float(v)
-            for k, v in self.to_dict().items()
-            if isinstance(v, int | float) and not isinstance(v, bool)
-        }
-        return scalars | {f"bucket_{k}_s": v for k, v in self.buckets.items()}
 
 
 def report_for_job(layout: JobLayout, interval_s: float | None = None) -> EttReport:
@@ -269,68 +107,6 @@ def report_for_job(layout: JobLayout, interval_s: float | None = None) -> EttRep
 
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
-
-
-def union_length(spans: list[tuple[float, float]]) -> float:
-    """Wall time covered by at least one of the (start, end) spans."""
-    total, reach = 0.0, -math.inf
-    for s, e in sorted(spans):
-        if e > reach:
-            total, reach = total + e - max(s, reach), e
-    return total
-
-
-def critical_path(spans: list[Event]) -> list[Event]:
-    """The chain of stages that set the end time, walking back from the stage that ends last.
-
-    A stage's predecessor is, among the stages that began before it, the one still running
-    latest before it began (max of min(end, its start)): the one it waited for, or that was
-    still busy when it took over. Ties go to the later-starting stage. Stops at the earliest.
-    """
-    if not spans:
-        return []
-    cur = max(spans, key=lambda e: (e.end, -e.start))
-    path = [cur]
-    while earlier := [e for e in spans if e.start < cur.start]:
-        cur = max(earlier, key=lambda e, s=cur.start: (min(e.end, s), e.start))
-        path.append(cur)
-    return path[::-1]
-
-
-def partition(
-    intervals: list[tuple[float, float, str]], t0: float, t1: float
-) -> tuple[dict[str, float], list[tuple[float, float, str]]]:
-    """Sweep the elementary intervals of [t0, t1]; each goes to its highest-priority cover.
-
-    Returns the per-bucket totals (math.fsum of exact differences, so they sum to t1 - t0)
-    and the merged segments (start, end, bucket) relative to t0.
-    """
-    rank = {b: i for i, b in enumerate(PRIORITY)}
-    points: list[tuple[float, int, int]] = []
-    for s, e, bucket in intervals:
-        s, e = max(s, t0), min(e, t1)
-        if e > s:
-            points += [(s, 1, rank[bucket]), (e, -1, rank[bucket])]
-    points.sort(key=lambda p: p[0])
-    counts = [0] * len(PRIORITY)
-    parts: dict[str, list[float]] = {b: [] for b in BUCKETS}
-    segments: list[tuple[float, float, str]] = []
-    prev, i = t0, 0
-    while prev < t1:
-        t = points[i][0] if i < len(points) else t1
-        if t > prev:
-            bucket = next((PRIORITY[k] for k, c in enumerate(counts) if c > 0), "other")
-            parts[bucket].append(t - prev)
-            a, b = prev - t0, t - t0
-            if segments and segments[-1][2] == bucket and segments[-1][1] == a:
-                segments[-1] = (segments[-1][0], b, bucket)
-            else:
-                segments.append((a, b, bucket))
-            prev = t
-        while i < len(points) and points[i][0] <= prev:
-            counts[points[i][2]] += points[i][1]
-            i += 1
-    return {b: math.fsum(v) for b, v in parts.items()}, segments
 
 
 def _init_breakdown(attempt: int, evs: list[Event], first_step_t: float | None) -> InitBreakdown:
@@ -363,16 +139,17 @@ def _attempts(
     mark) and the clean non-final ends (planned restarts)."""
     attempts, died, restarts = [], [], []
     for a in order:
-        marks = sorted((e for e in by_attempt[a] if e.name == "failure"), key=lambda e: e.start)
-        own = [e for e in by_attempt[a] if e.name != "failure"] or by_attempt[a]
+        marks = sorted((e for e in by_attempt[a] if e.name == Mark.FAILURE), key=lambda e: e.start)
+        own = [e for e in by_attempt[a] if e.name != Mark.FAILURE] or by_attempt[a]
         names = {e.name for e in own}
         nums = [e.step for e in steps if e.attempt == a and e.step is not None]
-        if marks or (a != order[-1] and not names & {"job_end", "shutdown"}):
-            outcome = "failed"
-        elif "job_end" in names:
-            outcome = "completed"
+        if marks or (a != order[-1] and not names & {Mark.JOB_END, Span.SHUTDOWN}):
+            cause = marks[0].attrs.get("cause") if marks else None
+            outcome = Outcome(cause) if cause in set(Outcome) else Outcome.UNOBSERVED
+        elif Mark.JOB_END in names:
+            outcome = Outcome.SUCCESS
         else:
-            outcome = "stopped" if "shutdown" in names else "unfinished"
+            outcome = Outcome.STOPPED if Span.SHUTDOWN in names else Outcome.UNFINISHED
         end = max(e.end for e in own)
         start = min(e.start for e in by_attempt[a])
         attempts.append(
@@ -380,9 +157,9 @@ def _attempts(
                 a, start - t0, end - t0, outcome, min(nums, default=None), max(nums, default=None)
             )
         )
-        if outcome == "failed":
+        if outcome.failed:
             died.append((end, a, marks[0] if marks else None))
-        elif outcome == "stopped" and a != order[-1]:
+        elif outcome == Outcome.STOPPED and a != order[-1]:
             restarts.append((end, a))
     return attempts, sorted(died, key=lambda d: d[0]), restarts
 
@@ -406,7 +183,7 @@ def _unseen(
         seen += [e.end for e in evs if e.name not in (Span.LAUNCHER_INIT, Mark.FAILURE)]
         seen_until = max(seen, default=t_died)
         if mark.start > seen_until:
-            windows.append((seen_until, mark.start, "unknown"))
+            windows.append((seen_until, mark.start, Bucket.UNKNOWN))
         out.append((max(t_died, mark.start), a, mark))
     return sorted(out, key=lambda d: d[0]), windows
 
@@ -440,14 +217,14 @@ def _failures(
         end = t1 if resumed is None else resumed
         if i + 1 < len(died):
             end = min(end, died[i + 1][0])
-        windows.append((t_died, end, "recovery"))
+        windows.append((t_died, end, Bucket.RECOVERY))
         attrs = mark.attrs if mark else {}
         step = mark.step if mark and mark.step is not None else attrs.get("step")
         known = [s for s in (step, last_step[a]) if s is not None]  # the ledger may know more
         out.append(
             FailureRecord(
                 attempt=a,
-                cause=str(attrs.get("cause", "unobserved")),
+                cause=str(attrs.get("cause", Outcome.UNOBSERVED)),
                 last_step=max(known) if known else None,
                 died_at=t_died - t0,
                 detected_at=None if mark is None else mark.start - t0,
@@ -553,7 +330,7 @@ def _in_process_failures(
         later = [e.start for e in steps if e.attempt == mark.attempt and e.start >= mark.start]
         resumed = min(later, default=None)
         end = resumed if resumed is not None else mark.start
-        windows.append((mark.start, end, "recovery"))
+        windows.append((mark.start, end, Bucket.RECOVERY))
         out.append(
             FailureRecord(
                 attempt=mark.attempt,
@@ -583,7 +360,9 @@ def compute_report(
     for e in job:
         by_attempt[e.attempt].append(e)
     order = sorted(by_attempt)
-    steps = sorted((e for e in job if e.name == "train_step"), key=lambda e: (e.attempt, e.start))
+    steps = sorted(
+        (e for e in job if e.name == Span.TRAIN_STEP), key=lambda e: (e.attempt, e.start)
+    )
     first_step: dict[int, float] = {}
     last_end: dict[int, float] = {}
     for e in steps:
@@ -601,27 +380,23 @@ def compute_report(
     # -- windows, then spans: effective vs wasted steps, then the sweep --------------------
     for t_end, a in restarts:
         resumed = min((e.start for e in steps if e.attempt > a and e.start >= t_end), default=t1)
-        windows.append((t_end, resumed, "startup"))
+        windows.append((t_end, resumed, Bucket.STARTUP))
     first = first_step.get(order[0], min((e.start for e in steps), default=None))
     windows.append(
-        (t0, min([first if first is not None else t1] + [d[0] for d in died]), "startup")
+        (t0, min([first if first is not None else t1] + [d[0] for d in died]), Bucket.STARTUP)
     )
     last_exec: dict[Any, Event] = {}
     for e in steps:  # ordered by (attempt, start): the last one seen wins
         last_exec[e.step if e.step is not None else id(e)] = e
     kept = {id(e) for e in last_exec.values()}
     spans = [
-        (e.start, e.end, "effective_training" if id(e) in kept else "wasted_training")
+        (e.start, e.end, Bucket.EFFECTIVE_TRAINING if id(e) in kept else Bucket.WASTED_TRAINING)
         for e in steps
     ]
-    spans += [
-        (e.start, e.end, e.name)
-        for e in job
-        if e.name in ("checkpoint_blocking", "eval", "shutdown")
-    ]
+    spans += [(e.start, e.end, SPAN_BUCKETS[e.name]) for e in job if e.name in SPAN_BUCKETS]
     buckets, segments = partition(spans + windows, t0, t1)
     wall = t1 - t0
-    ett = 100.0 * buckets["effective_training"] / wall if wall > 0 else 0.0
+    ett = 100.0 * buckets[Bucket.EFFECTIVE_TRAINING] / wall if wall > 0 else 0.0
     fail = 100.0 * math.fsum(buckets[b] for b in FAILURE_BUCKETS) / wall if wall > 0 else 0.0
 
     # -- L1 and checkpoint metrics --------------------------------------------------------
@@ -630,7 +405,7 @@ def compute_report(
     med = _median(durations)
     # One checkpoint may block twice (the save call, then the wait for its staging copy
     # before the next step): its spans share attempt and step.
-    spans = [e for e in job if e.name == "checkpoint_blocking"]
+    spans = [e for e in job if e.name == Span.CHECKPOINT_BLOCKING]
     per_ckpt: dict[tuple[int, int | None], list[Event]] = defaultdict(list)
     for e in spans:
         per_ckpt[(e.attempt, e.step)].append(e)
@@ -649,13 +424,13 @@ def compute_report(
     if interval is None and ckpts and loop > 0:
         interval = loop / len(ckpts)
     blocks = {key: max(e.end for e in es) for key, es in per_ckpt.items()}
-    commits = [e for e in job if e.name == "checkpoint_committed"]
+    commits = [e for e in job if e.name == Mark.CHECKPOINT_COMMITTED]
     latency = [
         e.start - blocks[(e.attempt, e.step)] for e in commits if (e.attempt, e.step) in blocks
     ]
     per_rank: dict[int, list[float]] = defaultdict(list)
     for e in events:
-        if e.name == "train_step":
+        if e.name == Span.TRAIN_STEP:
             per_rank[e.rank].append(e.duration)
     return EttReport(
         start_time=t0,
@@ -687,7 +462,7 @@ def compute_report(
         attempts=tuple(attempts),
         init=tuple(_init_breakdown(a, by_attempt[a], first_step.get(a)) for a in order),
         rank_step_median_s={r: statistics.median(v) for r, v in sorted(per_rank.items())},
-        finished=any(a.outcome == "completed" for a in attempts),
+        finished=any(a.outcome == Outcome.SUCCESS for a in attempts),
         segments=tuple(segments),
         standbys=tuple(
             StandbyRecord(r.attempt, r.prewarm_s, r.parked_s, r.promoted_at - t0) for r in standbys

@@ -34,9 +34,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from infra.accounting.ett import EttReport
 from infra.accounting.ledger_format import Event, Mark, Span
 from infra.accounting.ledger_read import read_events
+from infra.accounting.records import EttReport
 from infra.job_layout import JobLayout
 
 log = logging.getLogger(__name__)

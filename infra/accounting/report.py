@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from infra import tables
-from infra.accounting.ett import BUCKETS, EttReport
 from infra.accounting.mfu import MfuReport
+from infra.accounting.records import BUCKETS, EttReport
 from infra.figures import pyplot, save_png
 
 TIMELINE_BINS = 2000  # slices of the timeline: more than the figure's pixels across
@@ -233,7 +233,7 @@ def plot_breakdown(report: EttReport, path: str | Path) -> Path:
             interpolation="nearest",
         )
     for i, att in enumerate(report.attempts):
-        color = "#d62728" if att.outcome == "failed" else "#555555"
+        color = "#d62728" if att.outcome.failed else "#555555"
         line.broken_barh(
             [(att.start, att.end - att.start)], (1.8 + i * 0.5, 0.35), facecolor=color, linewidth=0
         )

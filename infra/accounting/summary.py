@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from infra.accounting.ett import EttReport, compute_report
+from infra.accounting.ett import compute_report
 from infra.accounting.ledger_format import Event
 from infra.accounting.ledger_read import LedgerFile, ledger_of, read_files
 from infra.accounting.mfu import MfuReport, mfu_report
+from infra.accounting.records import EttReport
 from infra.job_layout import JobLayout
 
 

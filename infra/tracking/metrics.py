@@ -16,8 +16,8 @@ from collections.abc import Iterable
 
 from mlflow.entities import Metric
 
-from infra.accounting.ett import EttReport
 from infra.accounting.ledger_format import Event, Span
+from infra.accounting.records import EttReport
 
 METRIC_PREFIX = "ett."
 # Ledger span attribute -> metric key, per span name: the training curves of a job's run.

@@ -29,10 +29,11 @@ from mlflow import MlflowClient
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.utils import mlflow_tags
 
-from infra.accounting.ett import EttReport
 from infra.accounting.ledger_format import Event, Mark, Span
+from infra.accounting.records import EttReport
 from infra.accounting.report import format_table, plot_breakdown, recovery_lines, to_markdown
 from infra.accounting.summary import JobSummary
+from infra.exit_codes import Outcome
 from infra.settings import JobConfig
 from infra.tracking.client import client, ensure_experiment
 from infra.tracking.metrics import eval_rows, history_metrics, report_metrics, training_curves
@@ -160,9 +161,10 @@ def start_job_run(config: JobConfig, source: str = "flows/train_flow.py") -> str
 
 # -- attempts ---------------------------------------------------------------------------------
 def _attempt_status(outcome: str) -> str:
-    if outcome == "success":
+    """The attempt run's MLflow status for its outcome (an ``Outcome`` value)."""
+    if outcome == Outcome.SUCCESS:
         return "FINISHED"
-    return "KILLED" if outcome == "preempted" else "FAILED"
+    return "KILLED" if outcome in (Outcome.PREEMPTED, Outcome.CANCELLED) else "FAILED"
 
 
 def log_attempt(run_id: str, attempt: AttemptLike, *, tracking_uri: str | None = None) -> str:
@@ -217,18 +219,16 @@ def attempts_from_ledger(report: EttReport, events: Sequence[Event]) -> list[Led
     ``success`` for an attempt that reached job_end, else the report's view), exit code (from
     the failure mark; 0 for a success) and last step."""
     mine = [e for e in events if e.rank == 0 and e.name != Span.SCHEDULING]
-    causes = {f.attempt: f.cause for f in report.failures}
     out = []
     for summary in report.attempts:
         own = [e for e in mine if e.attempt == summary.attempt]
         if not own:
             continue
         marks = [e for e in own if e.name == Mark.FAILURE]
-        if summary.outcome == "completed":
-            outcome, code = "success", 0
-        else:
-            outcome = causes.get(summary.attempt, summary.outcome)
-            code = marks[0].attrs.get("exit_code") if marks else None
+        outcome = summary.outcome
+        code = 0 if outcome == Outcome.SUCCESS else None
+        if marks:
+            code = marks[0].attrs.get("exit_code")
         out.append(
             LedgerAttempt(
                 attempt=summary.attempt,
@@ -317,7 +317,7 @@ def _final_status(report: EttReport, succeeded: bool | None) -> str | None:
     if report.finished:
         return "FINISHED"
     last = max(report.attempts, key=lambda a: a.attempt, default=None)
-    return "FAILED" if last is not None and last.outcome == "failed" else None
+    return "FAILED" if last is not None and last.outcome.failed else None
 
 
 def log_job(

@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from infra.accounting.ett import EttReport
+from infra.accounting.records import EttReport
 
 DAY_S = 86_400.0
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from infra.accounting.ett import EttReport
+from infra.accounting.records import EttReport
 from infra.whatif.checkpoint_cycles import segment, time_to_finish, time_to_reach
 from infra.whatif.simulated_job import FailureEvent, JobModel
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infra.accounting.ett import EttReport, report_for_job
+from infra.accounting.ett import report_for_job
+from infra.accounting.records import EttReport
 from infra.figures import pyplot, save_png
 from infra.job_layout import JobLayout
 from infra.tables import to_text

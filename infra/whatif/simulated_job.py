@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from infra.accounting.ett import EttReport
+from infra.accounting.records import EttReport
 from infra.exit_codes import Outcome
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mlflow import MlflowClient
@@ -19,6 +20,7 @@ from prefect.events.worker import EventsWorker
 
 import flows.train_flow as train_module
 from flows.report_flow import ett_report_flow
+from infra import storage
 from infra.preflight import PreflightError
 from infra.settings import dump_config
 from tasks.events import ANCHOR_EVENT
@@ -153,3 +155,34 @@ def test_train_flow_refuses_a_config_naming_no_data_before_any_attempt(
     assert line.startswith(f"data.url ({config.data.url}): no parquet shards"), line
     assert line in state.message and "\n" not in line
     assert not (tmp_path / "store" / "jobs" / "flow-no-data").exists()  # no attempt, no ledger
+
+
+def test_the_jobs_ledger_is_read_once_at_the_end_of_a_flow_run(
+    tmp_path: Path,
+    prefect_server: str,
+    events: EventsWorker,
+    fake_trainer: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ETT artifacts, the MLflow run and the flow's result all render one JobSummary:
+    every read of the job's ledger through storage is counted, and there is one."""
+    reads: list[str] = []
+    real_call = storage.call
+
+    def counting(what: str, fn: Any) -> Any:
+        if what.startswith("read ") and "/ledger" in what:
+            reads.append(what)
+        return real_call(what, fn)
+
+    monkeypatch.setattr(storage, "call", counting)
+    config = tiny_config(tmp_path, job_id="read-once", train=FAKE_TRAIN)
+    write_dataset(config)
+    path = tmp_path / "job.yaml"
+    dump_config(config, path)
+    overrides = {"faults": [{"kind": "crash", "step": 8, "attempt": 0}]}
+    result = train_module.train_flow(config=str(path), overrides=overrides)
+    assert result["report"]["num_failures"] == 1  # the summary reached the flow's result...
+    assert _artifact(artifact_key("ett-buckets", "read-once")).type == "table"  # ...the UI
+    run = MlflowClient(config.tracking.mlflow_uri).get_run(result["mlflow_run_id"])
+    assert run.data.metrics["ett.num_failures"] == 1.0  # ...and MLflow
+    assert reads == [f"read {config.layout.ledger}"]

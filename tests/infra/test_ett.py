@@ -35,18 +35,13 @@ from pathlib import Path
 import pytest
 
 from infra import storage
-from infra.accounting import ett
-from infra.accounting.ett import (
-    FailureRecord,
-    StandbyRecord,
-    compute_report,
-    critical_path,
-    partition,
-    report_for_job,
-)
+from infra.accounting import ett, records
+from infra.accounting.ett import compute_report, report_for_job
 from infra.accounting.ledger import Ledger
 from infra.accounting.ledger_format import INIT_SPANS, Event
 from infra.accounting.ledger_read import read_events
+from infra.accounting.partition import critical_path, partition
+from infra.accounting.records import FailureRecord, StandbyRecord
 from infra.job_layout import JobLayout
 
 T0 = 1_700_000_000.0  # realistic Unix times: exactness must survive large magnitudes
@@ -143,8 +138,8 @@ def test_hand_computed_buckets_and_l1_metrics(job_url: str) -> None:
     assert r.predicted_unsaved_s == 4.0  # 1 failure x 8 / 2
     assert r.predicted_blocking_s == 1.5  # 16 / 8 x 0.75
     assert [(a.attempt, a.outcome, a.first_step, a.last_step) for a in r.attempts] == [
-        (0, "failed", 1, 4),
-        (1, "completed", 3, 5),
+        (0, "sigkill", 1, 4),
+        (1, "success", 3, 5),
     ]
     assert r.finished and r.rank_step_median_s == {0: 2.0, 1: 2.5}
     assert r.checkpoint_interval_reason is None and r.checkpoint_interval_steps is None
@@ -211,7 +206,7 @@ def test_unmarked_death_counts_as_failure_and_planned_restart_is_startup(tmp_pat
         if attempt == 2:
             Ledger(JobLayout.at(url), attempt=2, clock=lambda: T0).mark("job_end", t=T0 + e)
     r = report_for_job(JobLayout.at(url))
-    assert [a.outcome for a in r.attempts] == ["failed", "stopped", "completed"]
+    assert [a.outcome for a in r.attempts] == ["unobserved", "stopped", "success"]
     assert r.num_failures == 1 and r.failures[0].cause == "unobserved"
     # startup [0,1]; a0 steps [1,2] wasted? no: step 1 kept, step 2 redone -> [2,3] wasted;
     # recovery [3,9]; a1 steps [9,11] effective; shutdown [11,12]; restart [12,15] startup
@@ -272,7 +267,7 @@ def test_publishing_and_the_side_evaluator_are_not_the_jobs_time(job_url: str) -
     r = report_for_job(JobLayout.at(job_url))
     assert r.wall_s == 36.0 and r.start_time == T0
     assert r.buckets == EXPECTED
-    assert [(a.attempt, a.outcome) for a in r.attempts] == [(0, "failed"), (1, "completed")]
+    assert [(a.attempt, a.outcome) for a in r.attempts] == [(0, "sigkill"), (1, "success")]
 
 
 def test_empty_ledger_is_an_error() -> None:
@@ -288,21 +283,21 @@ def _written_priority(text: str) -> tuple[str, ...]:
     return tuple(part.split()[0] for part in chain.group(0).split(">"))
 
 
-# The order docs/ett.md gives, read from the docs rather than from ett.PRIORITY, so the
+# The order docs/ett.md gives, read from the docs rather than from records.PRIORITY, so the
 # reference below cannot follow a change to the code.
 DOCUMENTED_PRIORITY = _written_priority((ROOT / "docs" / "ett.md").read_text())
 
 
 def test_the_docs_and_the_docstring_give_the_code_s_priority() -> None:
-    assert sorted(DOCUMENTED_PRIORITY) == sorted(ett.BUCKETS)
+    assert sorted(DOCUMENTED_PRIORITY) == sorted(records.BUCKETS)
     assert _written_priority(ett.__doc__ or "") == DOCUMENTED_PRIORITY
-    assert ett.PRIORITY == DOCUMENTED_PRIORITY
+    assert records.PRIORITY == DOCUMENTED_PRIORITY
 
 
 def _naive_partition(intervals, t0, t1):
     """Reference: classify the midpoint of each elementary interval by scanning all spans."""
     cuts = sorted({t0, t1, *(max(t0, min(t1, x)) for s, e, _ in intervals for x in (s, e))})
-    out = dict.fromkeys(ett.BUCKETS, 0.0)
+    out = dict.fromkeys(records.BUCKETS, 0.0)
     for a, b in zip(cuts, cuts[1:], strict=False):
         mid = (a + b) / 2
         cover = [k for s, e, k in intervals if s <= mid < e]
@@ -321,7 +316,7 @@ def test_partition_matches_naive_sweep_on_random_intervals() -> None:
             ivs.append((s, s + rng.uniform(0, 20), rng.choice(DOCUMENTED_PRIORITY[:-1])))
         got, segments = partition(ivs, t0, t1)
         ref = _naive_partition(ivs, t0, t1)
-        for b in ett.BUCKETS:
+        for b in records.BUCKETS:
             assert got[b] == pytest.approx(ref[b], abs=1e-6)
         assert math.fsum(got.values()) == pytest.approx(t1 - t0, rel=1e-12)
         assert all(a < b for a, b, _ in segments)
@@ -370,7 +365,7 @@ def test_invariants_on_random_ledgers(tmp_path) -> None:
         url = str(tmp_path / f"job{i}")
         _random_job(rng, url)
         r = report_for_job(JobLayout.at(url))
-        assert set(r.buckets) == set(ett.BUCKETS)
+        assert set(r.buckets) == set(records.BUCKETS)
         assert all(v >= 0 for v in r.buckets.values())
         assert math.fsum(r.buckets.values()) == pytest.approx(r.wall_s, rel=1e-9, abs=1e-12)
         assert r.ett_pct + r.idleness_pct + r.failure_pct == pytest.approx(100.0, abs=1e-9)
@@ -537,8 +532,8 @@ def test_a_promoted_standby_counts_from_its_promotion(tmp_path) -> None:
     }
     assert r.standbys == (StandbyRecord(attempt=1, prewarm_s=2, parked_s=3, promoted_at=8),)
     assert [(a.attempt, a.outcome, a.start, a.end) for a in r.attempts] == [
-        (0, "failed", 0, 6),
-        (1, "completed", 8, 13),
+        (0, "sigkill", 0, 6),
+        (1, "success", 8, 13),
     ]
     assert r.failures == (
         FailureRecord(0, "sigkill", 4, died_at=6, detected_at=8, resumed_at=9, time_to_recover_s=3),
@@ -608,7 +603,7 @@ def test_an_in_process_restart_is_a_failure_inside_the_attempt(tmp_path) -> None
         ),
     )
     assert r.num_failures == 1 and r.failure_pct == pytest.approx(100 * 2.5 / 10)
-    assert [(a.outcome, a.first_step, a.last_step) for a in r.attempts] == [("completed", 1, 5)]
+    assert [(a.outcome, a.first_step, a.last_step) for a in r.attempts] == [("success", 1, 5)]
 
 
 # -- time the ledger cannot see -------------------------------------------------------------
@@ -734,8 +729,8 @@ def test_a_lost_standby_is_no_attempt_no_startup_and_no_failure(tmp_path) -> Non
     assert [a.attempt for a in r.attempts] == [0]
     assert r.buckets["effective_training"] == 6 and r.buckets["shutdown"] == 0.5
     assert r.lost_standbys == (
-        ett.LostStandby(1, 4.0, True, "sigkill"),
-        ett.LostStandby(2, 5.0, False, "crash"),
+        records.LostStandby(1, 4.0, True, "sigkill"),
+        records.LostStandby(2, 5.0, False, "crash"),
     )
 
 
@@ -760,7 +755,7 @@ def test_an_attempt_that_trained_is_never_dropped_as_a_standby(tmp_path) -> None
         tr.mark("job_end", step=6, t=T0 + 12)
     r = report_for_job(JobLayout.at(url))
     assert r.finished and r.num_steps == 6 and r.wall_s == 12
-    assert [(a.attempt, a.outcome) for a in r.attempts] == [(0, "failed"), (1, "completed")]
+    assert [(a.attempt, a.outcome) for a in r.attempts] == [(0, "sigkill"), (1, "success")]
     assert r.buckets["effective_training"] == 6 and r.buckets["wasted_training"] == 2
     assert r.buckets["recovery"] == 4
 

@@ -10,8 +10,9 @@ import pytest
 from rich.console import Console
 
 from infra import tables
-from infra.accounting.ett import BUCKETS, report_for_job
+from infra.accounting.ett import report_for_job
 from infra.accounting.ledger import Ledger
+from infra.accounting.records import BUCKETS
 from infra.accounting.report import COLORS, dominant_buckets, plot_breakdown, sections
 from infra.job_layout import JobLayout
 

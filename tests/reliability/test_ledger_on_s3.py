@@ -27,9 +27,10 @@ from typing import Any
 import pytest
 
 from infra import storage
-from infra.accounting.ett import EttReport, report_for_job
+from infra.accounting.ett import report_for_job
 from infra.accounting.ledger import recover_orphaned_spools
 from infra.accounting.ledger_read import read_events, read_files
+from infra.accounting.records import EttReport
 from infra.checkpoint_manifest import MANIFEST, Manifest, committed_checkpoints
 from infra.control import Progress
 from infra.exit_codes import ExitCode, Outcome

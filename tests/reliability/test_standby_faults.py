@@ -59,7 +59,7 @@ def test_a_standby_killed_while_parked_is_replaced_and_the_job_reports_whole(
         job.end()
     report = report_for_job(job.config.layout)
     assert report.finished and report.num_steps == STEPS, format_table(report)
-    assert [(a.attempt, a.outcome) for a in report.attempts] == [(0, "failed"), (2, "completed")]
+    assert [(a.attempt, a.outcome) for a in report.attempts] == [(0, "sigkill"), (2, "success")]
     [lost] = report.lost_standbys
     assert (lost.attempt, lost.parked, lost.cause) == (1, True, "sigkill")
     assert [f.cause for f in report.failures] == ["sigkill"]  # the lost standby is no failure
@@ -100,7 +100,7 @@ def test_a_standby_killed_as_it_is_promoted_is_a_failure_and_a_cold_attempt_fini
     report = report_for_job(job.config.layout)
     assert report.finished and report.num_steps == STEPS, format_table(report)
     outcomes = [(a.attempt, a.outcome) for a in report.attempts]
-    assert outcomes == [(0, "failed"), (1, "failed"), (2, "completed")], outcomes
+    assert outcomes == [(0, "sigkill"), (1, "sigkill"), (2, "success")], outcomes
     assert [f.cause for f in report.failures] == ["sigkill", "sigkill"]
     assert report.lost_standbys == ()
     events = read_events(job.config.layout)
