@@ -309,7 +309,7 @@ BREAKS = (
     Break(
         "B25",
         "a standby known only by its standby_lost mark is taken for an attempt",
-        "infra/accounting/ett.py",
+        "infra/accounting/standby.py",
         (("    standby = set(ready) | set(lost)\n", "    standby = set(ready)\n"),),
         ("tests/infra/test_ett.py",),
     ),

@@ -56,8 +56,10 @@ that disagrees with its process's monotonic clock, or an event outside its proce
 never stretches W; the report says what was rejected and which clock offsets were
 corrected.
 
-One module on purpose: the windows, the priority sweep and the report derived from it are one
-algorithm with one invariant (the buckets partition W exactly); its spec is this docstring.
+The windows, the priority sweep and the report derived from them are one algorithm with one
+invariant (the buckets partition W exactly), and this docstring is its spec. Beside it:
+which events are the job's when a standby ran (infra/accounting/standby.py), the sweep
+itself (partition.py), and the checkpoint statistics (checkpoint_stats.py).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from collections import defaultdict
 from dataclasses import replace
 from typing import Any
 
+from infra.accounting.checkpoint_stats import checkpoint_stats, median_or_none
 from infra.accounting.clocks import ClockCheck
 from infra.accounting.ledger_format import INIT_SPANS, PUBLISH_SPANS, Event, Mark, Span
 from infra.accounting.ledger_read import read_ledger
@@ -84,6 +87,7 @@ from infra.accounting.records import (
     StandbyRecord,
     short_reason,
 )
+from infra.accounting.standby import split_standby_prewarm
 from infra.exit_codes import Outcome
 from infra.job_layout import JobLayout
 
@@ -103,10 +107,6 @@ def report_for_job(layout: JobLayout, interval_s: float | None = None) -> EttRep
     """Read a job's ledger (every attempt, rank and role) and compute its report."""
     read = read_ledger(layout)
     return compute_report(read.events, interval_s=interval_s, clock=read.clock)
-
-
-def _median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
 
 
 def _init_breakdown(attempt: int, evs: list[Event], first_step_t: float | None) -> InitBreakdown:
@@ -235,48 +235,6 @@ def _failures(
     return out, windows
 
 
-def _drop_standby_prewarm(
-    events: list[Event],
-) -> tuple[list[Event], list[StandbyRecord], list[tuple[Event, bool]]]:
-    """A standby's events before its promotion are not the job's; a never-promoted standby's
-    are none of the job's (see the module docstring), unless it trained. Returns the job's
-    events, the promoted standbys (promotion times absolute) and the lost ones (their
-    ``standby_lost`` mark, and whether they had parked)."""
-    ready = {e.attempt: e.start for e in events if e.name == Mark.STANDBY_READY and e.rank == 0}
-    lost = {e.attempt: e for e in events if e.name == Mark.STANDBY_LOST}
-    standby = set(ready) | set(lost)
-    standby |= {
-        e.attempt for e in events if e.name == Mark.ATTEMPT_START and e.attrs.get("standby")
-    }
-    if not standby:
-        return events, [], []
-    promoted = {e.attempt: e.start for e in events if e.name == Mark.PROMOTED and e.rank == 0}
-    cuts: dict[int, float] = dict(promoted)
-    for e in events:  # a number reused by a cold relaunch: the job's part starts there
-        cold = e.name == Mark.ATTEMPT_START and not e.attrs.get("standby") and e.rank == 0
-        if cold and e.attempt in standby and e.attempt not in promoted:
-            cuts[e.attempt] = max(cuts.get(e.attempt, e.start), e.start)
-    for e in events:  # it trained: never dropped, whatever its marks say
-        if e.name == Span.TRAIN_STEP and e.attempt in standby and e.attempt not in cuts:
-            cuts[e.attempt] = e.start - 1e-9
-    firsts: dict[int, float] = {}
-    for e in events:
-        if e.attempt in ready:
-            firsts[e.attempt] = min(firsts.get(e.attempt, e.start), e.start)
-    kept = [
-        e
-        for e in events
-        if e.attempt not in standby or (e.attempt in cuts and e.end > cuts[e.attempt])
-    ]
-    records = [
-        StandbyRecord(a, ready[a] - firsts[a], promoted[a] - ready[a], promoted[a])
-        for a in sorted(promoted)
-        if a in ready
-    ]
-    gone = [(lost[a], a in ready) for a in sorted(lost) if a not in cuts]
-    return kept, records, gone
-
-
 def _resumes(job: list[Event], t0: float) -> list[ResumeRecord]:
     """Every restore of training state by rank 0, with what it skipped on the way."""
     out = []
@@ -351,7 +309,7 @@ def compute_report(
 ) -> EttReport:
     """Partition W and derive the L1 metrics; ``interval_s`` overrides the observed interval,
     ``clock`` is what the reader's clock checks found (infra/accounting/clocks.py)."""
-    events, standbys, lost = _drop_standby_prewarm(events)
+    events, standbys, lost = split_standby_prewarm(events)
     job = [e for e in events if e.rank == 0 and e.name not in OFF_JOB_SPANS]
     if not job:
         raise ValueError("no rank-0 events in the ledger: nothing to account for")
@@ -402,32 +360,9 @@ def compute_report(
     # -- L1 and checkpoint metrics --------------------------------------------------------
     resumes = _resumes(job, t0)
     durations = [e.duration for e in steps]
-    med = _median(durations)
-    # One checkpoint may block twice (the save call, then the wait for its staging copy
-    # before the next step): its spans share attempt and step.
-    spans = [e for e in job if e.name == Span.CHECKPOINT_BLOCKING]
-    per_ckpt: dict[tuple[int, int | None], list[Event]] = defaultdict(list)
-    for e in spans:
-        per_ckpt[(e.attempt, e.step)].append(e)
-    ckpts = sorted(
-        (min(es, key=lambda e: e.start) for es in per_ckpt.values()),
-        key=lambda e: (e.attempt, e.start),
-    )
-    pairs = [(a, b) for a, b in zip(ckpts, ckpts[1:], strict=False) if a.attempt == b.attempt]
-    gaps_steps = [float(b.step - a.step) for a, b in pairs if None not in (a.step, b.step)]
-    blocking_total = math.fsum(e.duration for e in spans)
-    blocking_mean = blocking_total / len(ckpts) if ckpts else None
+    med = median_or_none(durations)
     loop = math.fsum(last_end[a] - first_step[a] for a in first_step)
-    interval = (
-        interval_s if interval_s is not None else _median([b.start - a.start for a, b in pairs])
-    )
-    if interval is None and ckpts and loop > 0:
-        interval = loop / len(ckpts)
-    blocks = {key: max(e.end for e in es) for key, es in per_ckpt.items()}
-    commits = [e for e in job if e.name == Mark.CHECKPOINT_COMMITTED]
-    latency = [
-        e.start - blocks[(e.attempt, e.step)] for e in commits if (e.attempt, e.step) in blocks
-    ]
+    ckpt = checkpoint_stats(job, loop, interval_s)
     per_rank: dict[int, list[float]] = defaultdict(list)
     for e in events:
         if e.name == Span.TRAIN_STEP:
@@ -448,16 +383,20 @@ def compute_report(
         num_steps=len(last_exec),
         num_step_executions=len(steps),
         step_time_median_s=med,
-        step_time_mad_s=None if med is None else _median([abs(d - med) for d in durations]),
-        checkpoint_blocking_total_s=blocking_total,
-        checkpoint_blocking_mean_s=blocking_mean,
-        num_checkpoints_committed=len(commits),
-        checkpoint_interval_s=interval,
-        checkpoint_interval_steps=_median(gaps_steps),
-        commit_latency_s=_median(latency),
-        predicted_unsaved_s=None if interval is None else len(failures) * interval / 2,
+        step_time_mad_s=None if med is None else median_or_none([abs(d - med) for d in durations]),
+        checkpoint_blocking_total_s=ckpt.blocking_total_s,
+        checkpoint_blocking_mean_s=ckpt.blocking_mean_s,
+        num_checkpoints_committed=ckpt.committed,
+        checkpoint_interval_s=ckpt.interval_s,
+        checkpoint_interval_steps=ckpt.interval_steps,
+        commit_latency_s=ckpt.commit_latency_s,
+        predicted_unsaved_s=(
+            None if ckpt.interval_s is None else len(failures) * ckpt.interval_s / 2
+        ),
         predicted_blocking_s=(
-            None if not interval or blocking_mean is None else loop / interval * blocking_mean
+            None
+            if not ckpt.interval_s or ckpt.blocking_mean_s is None
+            else loop / ckpt.interval_s * ckpt.blocking_mean_s
         ),
         attempts=tuple(attempts),
         init=tuple(_init_breakdown(a, by_attempt[a], first_step.get(a)) for a in order),
@@ -467,14 +406,7 @@ def compute_report(
         standbys=tuple(
             StandbyRecord(r.attempt, r.prewarm_s, r.parked_s, r.promoted_at - t0) for r in standbys
         ),
-        checkpoint_interval_reason=next(
-            (
-                str(e.attrs.get("reason"))
-                for e in reversed(job)
-                if e.name == Mark.CHECKPOINT_INTERVAL
-            ),
-            None,
-        ),
+        checkpoint_interval_reason=ckpt.interval_reason,
         lost_standbys=tuple(
             LostStandby(m.attempt, m.start - t0, parked, str(m.attrs.get("cause", "unknown")))
             for m, parked in lost
