@@ -8,11 +8,8 @@ side evaluator, and every process ended. No Prefect here: ``ett train`` runs ``r
             job.watch(attempt)                     # to its end: classified, in the ledger
     job.result                                     # the outcome, and the ledger read once
 
-**Retry policy** (``recovery`` section). Preemptions and the first failure of a kind relaunch
-at once; the same kind failing again waits ``backoff_s``, doubling per repeat up to
-``backoff_max_s`` (a failure that keeps coming back is not retried in a tight loop).
-Preemptions do not count towards ``max_failures``. Fatal outcomes (bad config or data, an
-incompatible checkpoint, a job id in use) stop the job: a relaunch cannot fix them.
+**Retry policy** (``recovery`` section): tasks/retry_policy.py decides, after each attempt,
+whether the job goes on and how long it waits first.
 
 **Warm standby** (``recovery.standby``). Once an attempt has made its first step, the next one
 is spawned as a standby: it initialises (imports, process group, model, compile cache and
@@ -40,7 +37,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -58,11 +55,11 @@ from infra.settings import (
     CheckpointMode,
     EvalMode,
     JobConfig,
-    RecoveryConfig,
     dump_config,
     load_config,
 )
 from tasks.attempt import AttemptProcess, AttemptReport, LaunchSpec, Log, Timeouts, watch
+from tasks.retry_policy import JobOutcome, RetryPolicy
 from tasks.side_evaluator import SideEvaluator
 
 MAX_STANDBY_LOSSES = 3  # standbys lost in a row before the job goes on without one
@@ -77,35 +74,6 @@ def plan_job(config: str | None = None, overrides: dict[str, Any] | None = None)
     storage.configure(job.storage)
     preflight(job)
     return job
-
-
-def backoff_s(recovery: RecoveryConfig, outcome: Outcome, repeats: int) -> float:
-    """The wait before relaunching after ``outcome``, the ``repeats``-th time in a row."""
-    if outcome == Outcome.PREEMPTED or repeats < 1 or recovery.backoff_s <= 0:
-        return 0.0
-    return min(recovery.backoff_s * 2 ** (repeats - 1), recovery.backoff_max_s)
-
-
-@dataclass(frozen=True)
-class JobOutcome:
-    succeeded: bool
-    message: str
-    attempts: tuple[AttemptReport, ...]
-
-    @property
-    def failures(self) -> int:
-        return sum(1 for a in self.attempts if a.outcome.counts_as_failure)
-
-    @property
-    def preemptions(self) -> int:
-        return sum(1 for a in self.attempts if a.outcome == Outcome.PREEMPTED)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "succeeded": self.succeeded,
-            "message": self.message,
-            "attempts": [asdict(a) for a in self.attempts],
-        }
 
 
 @dataclass(frozen=True)
@@ -157,7 +125,8 @@ class Orchestrator:
         self._standby: AttemptProcess | None = None
         self._standby_losses = 0  # in a row, since a standby was last promoted
         self._last_lost: tuple[int, float] | None = None  # the last standby lost, and when
-        self._failures = self._recovered_in_process = 0
+        self.policy = RetryPolicy(config.recovery)
+        self._recovered_in_process = 0
         self._settled = False
         self._lease: JobLease | None = None
         self._folder: str | None = None  # the ranks' config, a temp folder of this process
@@ -200,7 +169,7 @@ class Orchestrator:
             if not self._reports or self._reports[-1].attempt != attempt.number:
                 raise RuntimeError(f"attempt {attempt.number} was not watched to its end")
             attempt.end(self.timeouts.grace_s, preempt=False)  # what is left of it
-            self._outcome = self._decide(self._reports[-1])
+            self._outcome = self.policy.decide(self._reports)
             if self._outcome is None:
                 self._current = self._next(self._reports[-1])
 
@@ -318,50 +287,9 @@ class Orchestrator:
         self.observer.progress(progress)
 
     # -- what next ---------------------------------------------------------------------------
-    def _decide(self, report: AttemptReport) -> JobOutcome | None:
-        """The job's outcome after this attempt, or None: it goes on."""
-        reports = tuple(self._reports)
-        if report.outcome == Outcome.SUCCESS:
-            preemptions = sum(1 for r in reports if r.outcome == Outcome.PREEMPTED)
-            return JobOutcome(
-                True,
-                f"succeeded on attempt {report.attempt} after {self._failures} failure(s) and "
-                f"{preemptions} preemption(s)",
-                reports,
-            )
-        if report.fatal:
-            return JobOutcome(
-                False, f"{report.describe()}: not retried, a relaunch cannot fix it", reports
-            )
-        rec = self.config.recovery
-        if report.outcome == Outcome.PREEMPTED:
-            preemptions = sum(1 for r in reports if r.outcome == Outcome.PREEMPTED)
-            if preemptions > rec.max_preemptions:
-                return JobOutcome(
-                    False,
-                    f"preempted {preemptions} times, more than "
-                    f"max_preemptions={rec.max_preemptions}",
-                    reports,
-                )
-            return None
-        self._failures += 1
-        if self._failures > rec.max_failures:
-            return JobOutcome(
-                False,
-                f"{self._failures} failures exceed max_failures={rec.max_failures}; last "
-                f"{report.describe()}",
-                reports,
-            )
-        return None
-
     def _next(self, report: AttemptReport) -> AttemptProcess:
         """The next attempt: the standby, promoted, or a cold launch under a new number."""
-        repeats = 0
-        for earlier in reversed(self._reports[:-1]):
-            if earlier.outcome != report.outcome:
-                break
-            repeats += 1
-        delay = backoff_s(self.config.recovery, report.outcome, repeats)
+        delay = self.policy.delay_s(self._reports)
         if delay > 0:
             self.log.warning("%s; relaunching in %.1f s", report.describe(), delay)
             self.sleep(delay)
@@ -375,9 +303,7 @@ class Orchestrator:
             how = f"relaunching cold (standby attempt {number} lost at {when})"
         else:
             how = "relaunching cold"
-        rec = self.config.recovery
-        failures = f"failures {self._failures}/{rec.max_failures}"
-        self.log.warning("%s; %s (%s)", report.describe(), how, failures)
+        self.log.warning("%s; %s (%s)", report.describe(), how, self.policy.describe())
         if standby is None:
             return self._spawn(standby=False)
         standby.promote(self._job_state())
@@ -429,7 +355,7 @@ class Orchestrator:
         """Every failure so far, in-process ones included: what the next attempt's
         checkpoint interval estimates the MTBF from (``max_failures`` counts only the ones
         that ended an attempt)."""
-        return JobState(self._failures + self._recovered_in_process, self.started_at)
+        return JobState(self.policy.failures + self._recovered_in_process, self.started_at)
 
     def _spawn(self, standby: bool) -> AttemptProcess:
         assert self._lease is not None

@@ -25,9 +25,10 @@ from infra.accounting.ledger_format import Mark, Span
 from infra.accounting.ledger_read import read_events
 from infra.control import JobState, Phase, Progress
 from infra.exit_codes import ExitCode, Outcome, name_of, outcome_of
-from infra.settings import JobConfig, RecoveryConfig, dump_config
+from infra.settings import JobConfig, dump_config
 from tasks.attempt import AttemptProcess, AttemptReport, LaunchSpec, Timeouts, watch
-from tasks.orchestrator import JobObserver, JobOutcome, Orchestrator, backoff_s, run
+from tasks.orchestrator import JobObserver, Orchestrator, run
+from tasks.retry_policy import JobOutcome
 from tests import procs
 from tests.factories import tiny_config
 from tests.procs import MARKER
@@ -74,14 +75,6 @@ def test_only_fatal_outcomes_stop_and_preemptions_are_not_failures() -> None:
     fatal = {o for o in Outcome if o.fatal}
     assert fatal == {Outcome.BAD_CONFIG, Outcome.BAD_DATA, Outcome.INCOMPATIBLE, Outcome.JOB_LOCKED}
     assert not Outcome.PREEMPTED.counts_as_failure and Outcome.HANG.counts_as_failure
-
-
-def test_retry_policy_backs_off_only_a_repeating_failure() -> None:
-    rec = RecoveryConfig(max_failures=5, backoff_s=2.0, backoff_max_s=10.0)
-    assert backoff_s(rec, Outcome.CRASH, 0) == 0.0  # a first crash: at once
-    assert [backoff_s(rec, Outcome.CRASH, n) for n in (1, 2, 3, 4)] == [2.0, 4.0, 8.0, 10.0]
-    assert backoff_s(rec, Outcome.PREEMPTED, 3) == 0.0
-    assert backoff_s(RecoveryConfig(backoff_s=0), Outcome.SIGKILL, 2) == 0.0
 
 
 def test_launch_commands_for_one_node_and_for_several() -> None:

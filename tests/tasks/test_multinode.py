@@ -16,7 +16,8 @@ from infra.checkpoint_manifest import committed_checkpoints
 from infra.control import Phase, Progress
 from infra.exit_codes import Outcome
 from infra.settings import JobConfig
-from tasks.orchestrator import JobObserver, JobOutcome, run
+from tasks.orchestrator import JobObserver, run
+from tasks.retry_policy import JobOutcome
 from tests import procs
 from tests.factories import assert_bit_identical, resume_marks, tiny_config, write_dataset
 from tests.procs import MARKER
