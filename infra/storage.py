@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import fsspec
 from fsspec import AbstractFileSystem
 
-from infra.urls import join, local_path  # noqa: F401 - storage API: callers name places with them
+from infra.urls import join  # noqa: F401 - storage API: callers name places with it
 
 if TYPE_CHECKING:  # the settings name their storage's paths (infra/job_layout.py)
     from infra.settings import StorageConfig
@@ -34,6 +34,15 @@ T = TypeVar("T")
 
 _options: dict[str, Any] = {}
 S3FS_TRIES = 1  # s3fs's own loop: one try, botocore retries (see the module docstring)
+
+
+def local_path(url: str) -> str | None:
+    """The local filesystem path of a file:// or plain URL, None for remote storage."""
+    if "://" not in url:
+        return os.path.abspath(url)
+    if url.startswith("file://"):
+        return os.path.abspath(url[len("file://") :])
+    return None
 
 
 class StorageError(OSError):

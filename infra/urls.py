@@ -1,13 +1,11 @@
-"""URLs as strings, no I/O: joining their parts and telling a local path from a remote one.
+"""Joining the parts of a URL (any protocol), with no I/O and no filesystem library.
 
-Apart from infra/storage.py (which does the I/O and exposes both) so that what only names
-places (the job's layout, the settings) needs no filesystem library: the serving model that
-publishing bundles carries these files and no fsspec.
+Apart from infra/storage.py (which does the I/O and exposes ``join`` to its callers) so that
+what only names places (the job's layout, the settings) needs no fsspec: the serving model
+that publishing bundles carries these files and no fsspec.
 """
 
 from __future__ import annotations
-
-import os
 
 
 def join(url: str, *parts: str) -> str:
@@ -16,12 +14,3 @@ def join(url: str, *parts: str) -> str:
     for part in parts:
         out = f"{out}/{part.strip('/')}"
     return out
-
-
-def local_path(url: str) -> str | None:
-    """The local filesystem path of a file:// or plain URL, None for remote storage."""
-    if "://" not in url:
-        return os.path.abspath(url)
-    if url.startswith("file://"):
-        return os.path.abspath(url[len("file://") :])
-    return None
