@@ -51,7 +51,7 @@ def make_config(tmp: Path, job_id: str, steps: int, eval_every: int, ckpt_every:
 
 
 def train_wall(config: JobConfig) -> tuple[float, list]:
-    steps = [e for e in read_events(config.layout) if e.name == "train_step"]
+    steps = [e for e in read_events(config.layout) if e.name == Span.TRAIN_STEP]
     return max(e.end for e in steps) - min(e.start for e in steps), steps
 
 
@@ -80,7 +80,7 @@ def main() -> int:
     if result.returncode:
         raise SystemExit(f"in-loop run failed:\n{result.stdout[-3000:]}")
     wall_loop, _ = train_wall(in_loop)
-    evals_loop = [e.duration for e in read_events(in_loop.layout) if e.name == "eval"]
+    evals_loop = [e.duration for e in read_events(in_loop.layout) if e.name == Span.EVAL]
 
     trainer_cfg = make_config(tmp, "async", args.steps, 0, args.every)
     evaluator_cfg = make_config(tmp, "async", args.steps, args.every, args.every)

@@ -60,6 +60,7 @@ from torch.distributed._shard.sharded_tensor import (  # noqa: E402
 from benchmarks.save import save_json  # noqa: E402
 from infra import storage  # noqa: E402
 from infra.accounting.ledger import Ledger  # noqa: E402
+from infra.accounting.ledger_format import Mark  # noqa: E402
 from infra.accounting.ledger_read import read_events  # noqa: E402
 from infra.checkpoint_manifest import committed_checkpoints, library_versions  # noqa: E402
 from infra.devstack import servers  # noqa: E402
@@ -195,7 +196,7 @@ def bench_mode(
     failed = [
         e
         for e in read_events(JobLayout.at(f"file://{scratch}/ledgers/{job_id}"))
-        if e.name == "checkpoint_failed"
+        if e.name == Mark.CHECKPOINT_FAILED
     ]
     if failed:
         raise RuntimeError(f"{mode}: checkpoints failed: {failed}")

@@ -52,7 +52,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from infra.accounting.ett import report_for_job  # noqa: E402
-from infra.accounting.records import BUCKETS, EttReport  # noqa: E402
+from infra.accounting.records import BUCKETS, Bucket, EttReport  # noqa: E402
 from infra.settings import dump_config, load_config  # noqa: E402
 
 VARIANTS = ("baseline", "optimized")
@@ -150,7 +150,7 @@ def run_variant(variant: str, work: Path, args: argparse.Namespace) -> dict[str,
 
 
 def summarize(variant: str, r: EttReport) -> dict[str, Any]:
-    lost = r.wall_s - r.buckets["effective_training"]
+    lost = r.wall_s - r.buckets[Bucket.EFFECTIVE_TRAINING]
     return {
         "variant": variant,
         "ett_pct": round(r.ett_pct, 2),
@@ -169,7 +169,7 @@ def summarize(variant: str, r: EttReport) -> dict[str, Any]:
         "checkpoints_committed": r.num_checkpoints_committed,
         "checkpoint_interval_s": r.checkpoint_interval_s,
         "unsaved_training_s": round(r.observed_unsaved_s, 3),
-        "shutdown_s": round(r.buckets["shutdown"], 3),
+        "shutdown_s": round(r.buckets[Bucket.SHUTDOWN], 3),
         "step_time_median_s": r.step_time_median_s,
         "steps": r.num_steps,
         "step_executions": r.num_step_executions,

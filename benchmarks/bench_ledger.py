@@ -3,7 +3,7 @@
 The trainer of the demo config (DLRM on TorchRec, batch 1024, one process, gloo on CPU, torch's
 default threads) is built in this process; 64 of its batches are held in memory so disk reads
 do not add noise. Steps then alternate between bare and wrapped in
-``ledger.span("train_step")`` (written and flushed to a local file per step, as in training),
+``ledger.span(Span.TRAIN_STEP)`` (written and flushed to a local file per step, as in training),
 in ABBA order at the level of single steps, so drift (thermal, other load) cancels.
 Reported, all from the same run:
 
@@ -49,6 +49,7 @@ import torch  # noqa: E402
 
 from benchmarks.save import save_json  # noqa: E402
 from infra.accounting.ledger import Ledger  # noqa: E402
+from infra.accounting.ledger_format import Span  # noqa: E402
 from infra.settings import load_config  # noqa: E402
 from trainer.data.synthetic import generate  # noqa: E402
 from trainer.init_stages import Initializer  # noqa: E402
@@ -97,7 +98,7 @@ def timed_step(step: Callable[[], None], ledger: Ledger | None, index: int) -> t
     if ledger is None:
         step()
         return time.perf_counter() - t0, 0.0
-    with ledger.span("train_step", step=index) as attrs:
+    with ledger.span(Span.TRAIN_STEP, step=index) as attrs:
         t1 = time.perf_counter()
         step()
         t2 = time.perf_counter()
@@ -110,7 +111,7 @@ def event_cost_us(ledger: Ledger, n: int) -> float:
     """Cost of one train_step span in a tight loop (hot caches), in microseconds."""
     t0 = time.perf_counter()
     for i in range(n):
-        with ledger.span("train_step", step=i) as attrs:
+        with ledger.span(Span.TRAIN_STEP, step=i) as attrs:
             attrs["loss"] = 0.5
     return (time.perf_counter() - t0) / n * 1e6
 
@@ -120,7 +121,7 @@ def event_latencies_us(ledger: Ledger, n: int) -> list[float]:
     out = []
     for i in range(n):
         t0 = time.perf_counter()
-        with ledger.span("train_step", step=i) as attrs:
+        with ledger.span(Span.TRAIN_STEP, step=i) as attrs:
             attrs["loss"] = 0.5
         out.append((time.perf_counter() - t0) * 1e6)
     return out

@@ -38,6 +38,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from benchmarks.save import save_json  # noqa: E402
 from infra.accounting.ett import report_for_job  # noqa: E402
+from infra.accounting.ledger_format import Span  # noqa: E402
 from infra.accounting.ledger_read import read_events  # noqa: E402
 from infra.agent_protocol import ENV_POOL  # noqa: E402
 from infra.processes import repo_pythonpath  # noqa: E402
@@ -86,14 +87,14 @@ def train(work: Path, job_id: str, steps: int, env: dict[str, str]) -> dict[str,
         ]
         return round(found[0], 2) if found else None
 
-    launch = next(e for e in events if e.name == "launcher_init" and e.attempt == 0)
+    launch = next(e for e in events if e.name == Span.LAUNCHER_INIT and e.attempt == 0)
     return {
         "job_id": job_id,
         "time_to_start_s": round(report_for_job(JobLayout.at(url)).time_to_start_s, 2),
-        "launcher_init_s": span("launcher_init"),
+        "launcher_init_s": span(Span.LAUNCHER_INIT),
         "pooled": bool(launch.attrs.get("pooled")),
-        "compile_cache_load_s": span("pre_train", "compile_cache_load"),
-        "compile_s": span("compile"),
+        "compile_cache_load_s": span(Span.PRE_TRAIN, "compile_cache_load"),
+        "compile_s": span(Span.COMPILE),
     }
 
 

@@ -10,7 +10,7 @@ ending with an anchor checkpoint:
 - decoupled (the product): the job ends at the anchor; ``python -m publish`` then runs as a
   separate CPU process (what the Prefect ``publish`` flow runs on a CPU worker).
 
-Shutdown = last train_step end (rank 0's ledger, infra.accounting.ledger.read_events) -> job end
+Shutdown = last train_step end (rank 0's ledger, infra/accounting/ledger_read.py) -> job end
 (the torchrun process exited, timed by this script). Publish time = the publisher's ledger spans
 (publish_load/export/validate/register) and, decoupled, the publisher process's wall time (with its
 imports). Modes alternate per repeat; each mode registers into its own registered model, so repeats
@@ -36,13 +36,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from infra.job_layout import JobLayout
-
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.save import save_json  # noqa: E402
+from infra.accounting.ledger_format import PUBLISH_SPANS, Mark, Span  # noqa: E402
+from infra.accounting.ledger_read import read_events  # noqa: E402
+from infra.job_layout import JobLayout  # noqa: E402
 from infra.settings import JobConfig, dump_config, load_config  # noqa: E402
 from tasks.attempt import LaunchSpec  # noqa: E402
 
@@ -71,10 +72,11 @@ def job_config(work: Path, job_id: str, args: argparse.Namespace, tracking_uri: 
 
 
 def last_step_end(job_url: str) -> float:
-    from infra.accounting.ledger_read import read_events
 
     ends = [
-        e.end for e in read_events(JobLayout.at(job_url)) if e.name == "train_step" and e.rank == 0
+        e.end
+        for e in read_events(JobLayout.at(job_url))
+        if e.name == Span.TRAIN_STEP and e.rank == 0
     ]
     if not ends:
         raise RuntimeError(f"no train_step in the ledger of {job_url}")
@@ -84,10 +86,9 @@ def last_step_end(job_url: str) -> float:
 def trainer_end(job_url: str) -> float:
     """When rank 0's trainer finished (its job_end mark): what follows is in-job publishing
     (coupled) or just process exit (decoupled)."""
-    from infra.accounting.ledger_read import read_events
 
     marks = [
-        e.end for e in read_events(JobLayout.at(job_url)) if e.name == "job_end" and e.rank == 0
+        e.end for e in read_events(JobLayout.at(job_url)) if e.name == Mark.JOB_END and e.rank == 0
     ]
     if not marks:
         raise RuntimeError(f"no job_end mark in the ledger of {job_url}")
@@ -95,8 +96,6 @@ def trainer_end(job_url: str) -> float:
 
 
 def publish_spans(job_url: str) -> dict[str, float]:
-    from infra.accounting.ledger_format import PUBLISH_SPANS
-    from infra.accounting.ledger_read import read_events
 
     spans = [e for e in read_events(JobLayout.at(job_url)) if e.name in PUBLISH_SPANS]
     out = {e.name: round(e.duration, 3) for e in spans}
@@ -105,9 +104,8 @@ def publish_spans(job_url: str) -> dict[str, float]:
 
 
 def anchor_url(job_url: str) -> str:
-    from infra.accounting.ledger_read import read_events
 
-    marks = [e for e in read_events(JobLayout.at(job_url)) if e.name == "anchor_committed"]
+    marks = [e for e in read_events(JobLayout.at(job_url)) if e.name == Mark.ANCHOR_COMMITTED]
     if not marks:
         raise RuntimeError(f"{job_url} committed no anchor")
     return str(marks[-1].attrs["url"])

@@ -38,14 +38,14 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from benchmarks.save import save_json  # noqa: E402
 from infra.accounting.ett import compute_report  # noqa: E402
-from infra.accounting.ledger_format import INIT_SPANS, Event  # noqa: E402
+from infra.accounting.ledger_format import INIT_SPANS, Event, Mark, Span  # noqa: E402
 from infra.accounting.ledger_read import read_events  # noqa: E402
 from tests.factories import run_trainer, tiny_config, write_dataset  # noqa: E402
 from trainer.init_stages import STAGE_DEPS  # noqa: E402
 
 
 def stage_key(e: Event) -> str:
-    return str(e.attrs.get("stage", e.name)) if e.name == "pre_train" else e.name
+    return str(e.attrs.get("stage", e.name)) if e.name == Span.PRE_TRAIN else e.name
 
 
 def longest_chain(durations: dict[str, float]) -> tuple[float, list[str]]:
@@ -64,14 +64,14 @@ def longest_chain(durations: dict[str, float]) -> tuple[float, list[str]]:
 def attempt_metrics(events: list[Event], attempt: int) -> dict[str, Any]:
     """One attempt's startup numbers (rank 0)."""
     evs = [e for e in events if e.rank == 0 and e.attempt == attempt]
-    steps = sorted((e for e in evs if e.name == "train_step"), key=lambda e: e.start)
+    steps = sorted((e for e in evs if e.name == Span.TRAIN_STEP), key=lambda e: e.start)
     first = steps[0]
     init = [e for e in evs if e.name in INIT_SPANS and e.start < first.start]
     durations: dict[str, float] = {}
     for e in init:
         durations[stage_key(e)] = durations.get(stage_key(e), 0.0) + e.duration
     chain_s, chain = longest_chain(durations)
-    compile_spans = [e for e in evs if e.name == "compile"]
+    compile_spans = [e for e in evs if e.name == Span.COMPILE]
     load = next((e for e in init if stage_key(e) == "compile_cache_load"), None)
     start = min(e.start for e in evs)
     return {
@@ -85,7 +85,7 @@ def attempt_metrics(events: list[Event], attempt: int) -> dict[str, Any]:
         "restore_s": durations.get("restore", 0.0),
         "stages_s": {k: round(v, 3) for k, v in durations.items()},
         "recompiles_in_training": sum(
-            1 for e in evs if e.name == "recompile" and e.attrs.get("phase") == "train"
+            1 for e in evs if e.name == Mark.RECOMPILE and e.attrs.get("phase") == "train"
         ),
     }
 

@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.save import save_json  # noqa: E402
 from infra.accounting.ett import compute_report  # noqa: E402
+from infra.accounting.ledger_format import Span  # noqa: E402
 from infra.accounting.ledger_read import read_events  # noqa: E402
 from infra.accounting.mfu import cpu_peak, mfu_report  # noqa: E402
 from infra.settings import load_config  # noqa: E402
@@ -108,7 +109,7 @@ def measure(
     if result.returncode:
         raise SystemExit(f"trainer failed ({variant.name}, {nproc} proc):\n{result.stdout[-3000:]}")
     events = read_events(config.layout)
-    steady = [e for e in events if e.name == "train_step" and (e.step or 0) > WARMUP_STEPS]
+    steady = [e for e in events if e.name == Span.TRAIN_STEP and (e.step or 0) > WARMUP_STEPS]
     rank0 = [e.duration for e in steady if e.rank == 0]
     step_s = statistics.median(rank0)
     per_step: dict[int, float] = {}

@@ -25,6 +25,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.save import save_json  # noqa: E402
+from infra.accounting.ledger_format import Span  # noqa: E402
 from infra.accounting.ledger_read import read_events  # noqa: E402
 from infra.settings import load_config  # noqa: E402
 from tests.factories import run_trainer  # noqa: E402
@@ -47,8 +48,8 @@ def train_tower(tmp: Path, data_url: str, tower: str, seed: int, steps: int) -> 
     if result.returncode:
         raise SystemExit(f"{tower} (seed {seed}) failed:\n{result.stdout[-3000:]}")
     events = read_events(config.layout)
-    evals = {e.step: e.attrs["auc"] for e in events if e.name == "eval"}
-    steps_s = [e.duration for e in events if e.name == "train_step"]
+    evals = {e.step: e.attrs["auc"] for e in events if e.name == Span.EVAL}
+    steps_s = [e.duration for e in events if e.name == Span.TRAIN_STEP]
     return {
         "tower": tower,
         "seed": seed,

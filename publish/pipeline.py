@@ -36,6 +36,7 @@ from mlflow import MlflowClient
 
 from infra import storage
 from infra.accounting.ledger import Ledger, next_attempt
+from infra.accounting.ledger_format import Span
 from infra.config_sources import ConfigError
 from infra.settings import JobConfig, load_config
 from publish import export as export_mod
@@ -156,7 +157,7 @@ class Publication:
         return self.settings.registered_model or self.config.tracking.registered_model
 
     @contextlib.contextmanager
-    def _stage(self, name: str) -> Iterator[dict[str, Any]]:
+    def _stage(self, name: Span) -> Iterator[dict[str, Any]]:
         attrs: dict[str, Any] = {"uri": self.ref.uri, "anchor_step": self.ref.step}
         start = time.time()
         try:
@@ -184,7 +185,7 @@ class Publication:
     # -- stages ---------------------------------------------------------------------------
     def load(self) -> None:
         """publish_load: verify + load the checkpoint, read the holdout rows."""
-        with self._stage("publish_load") as attrs:
+        with self._stage(Span.PUBLISH_LOAD) as attrs:
             self.loaded = load(self.ref, self.config, self.workdir)
             self.holdout = validate.load_holdout(self.config, self.settings)
             attrs.update(world_size=self.ref.manifest.world_size, rows=self.holdout.rows)
@@ -192,7 +193,7 @@ class Publication:
     def export(self) -> None:
         """publish_export: log the pyfunc model to MLflow in a publish run."""
         assert self.loaded is not None and self.holdout is not None and self.client is not None
-        with self._stage("publish_export") as attrs:
+        with self._stage(Span.PUBLISH_EXPORT) as attrs:
             run_id, _ = export_mod.open_publish_run(
                 self.client, self.loaded.config, self.ref, self.training_run_id, self.holdout.rows
             )
@@ -204,7 +205,7 @@ class Publication:
     def validate(self) -> None:
         """publish_validate: parity with the trainer's eval, sanity checks, AUC/log-loss."""
         assert self.loaded and self.holdout and self.exported and self.client
-        with self._stage("publish_validate") as attrs:
+        with self._stage(Span.PUBLISH_VALIDATE) as attrs:
             v = validate.evaluate(self.loaded.model, self.holdout, self.exported.model_uri)
             self.validation = v
             attrs.update(v.metrics())
@@ -225,7 +226,7 @@ class Publication:
     def register(self) -> PublishResult:
         """publish_register: new version, alias candidate, champion if not worse."""
         assert self.loaded and self.holdout and self.exported and self.validation and self.client
-        with self._stage("publish_register") as attrs:
+        with self._stage(Span.PUBLISH_REGISTER) as attrs:
             name = self.registered_model
             holdout = self.holdout
             champ = registry.score_champion(

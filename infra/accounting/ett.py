@@ -72,7 +72,14 @@ from typing import Any
 
 from infra.accounting.checkpoint_stats import checkpoint_stats, median_or_none
 from infra.accounting.clocks import ClockCheck
-from infra.accounting.ledger_format import INIT_SPANS, PUBLISH_SPANS, Event, Mark, Span
+from infra.accounting.ledger_format import (
+    INIT_SPANS,
+    PUBLISH_SPANS,
+    Event,
+    Mark,
+    ResumeHow,
+    Span,
+)
 from infra.accounting.ledger_read import read_ledger
 from infra.accounting.partition import critical_path, partition, union_length
 from infra.accounting.records import (
@@ -239,7 +246,9 @@ def _resumes(job: list[Event], t0: float) -> list[ResumeRecord]:
     """Every restore of training state by rank 0, with what it skipped on the way."""
     out = []
     for e in sorted((e for e in job if e.name == Mark.RESUME), key=lambda e: e.start):
-        how = str(e.attrs.get("how") or ("in_process" if e.attrs.get("in_process") else "cold"))
+        how = e.attrs.get("how")  # older ledgers say only ``in_process``
+        if how not in set(ResumeHow):
+            how = ResumeHow.IN_PROCESS if e.attrs.get("in_process") else ResumeHow.COLD
         skipped = tuple(
             (int(s["step"]), short_reason(str(s.get("reason", ""))), bool(s.get("quarantined")))
             for s in e.attrs.get("skipped") or ()
@@ -250,7 +259,7 @@ def _resumes(job: list[Event], t0: float) -> list[ResumeRecord]:
                 attempt=e.attempt,
                 at=e.start - t0,
                 step=int(e.step or 0),
-                how=how,
+                how=ResumeHow(how),
                 url=str(e.attrs.get("url", "")),
                 newest_step=None if newest is None else int(newest),
                 skipped=skipped,

@@ -91,6 +91,14 @@ class Mark(StrEnum):
     CLOCK = "clock"
 
 
+class ResumeHow(StrEnum):
+    """How a restore of training state came about: the ``how`` of a ``resume`` mark."""
+
+    COLD = "cold"  # a new attempt, started cold
+    PROMOTED = "promoted"  # a warm standby, promoted
+    IN_PROCESS = "in_process"  # a living attempt, after an in-process restart
+
+
 JOB_SPANS = (Span.SCHEDULING, Span.LAUNCHER_INIT, Span.SHUTDOWN)
 INIT_SPANS = (
     Span.DEVICE_INIT,

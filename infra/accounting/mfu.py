@@ -36,7 +36,7 @@ from typing import Any
 
 from infra.accounting.ledger_format import Event, Mark, Span
 from infra.accounting.ledger_read import read_events
-from infra.accounting.records import EttReport
+from infra.accounting.records import Bucket, EttReport
 from infra.job_layout import JobLayout
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ def mfu_report(events: list[Event], report: EttReport) -> MfuReport | None:
     for e in sorted(events, key=lambda e: e.start):
         if e.name == Mark.MODEL_FLOPS and e.rank == 0:
             marks[e.attempt] = e.attrs
-    effective = report.buckets.get("effective_training", 0.0)
+    effective = report.buckets.get(Bucket.EFFECTIVE_TRAINING, 0.0)
     if not steps or not marks or effective <= 0:
         return None
     peaks = {a: peak_for(attrs) for a, attrs in marks.items()}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from infra.accounting.ledger_format import Event
-from infra.accounting.records import BUCKETS, PRIORITY
+from infra.accounting.records import BUCKETS, PRIORITY, Bucket
 
 
 def union_length(spans: list[tuple[float, float]]) -> float:
@@ -58,7 +58,7 @@ def partition(
     while prev < t1:
         t = points[i][0] if i < len(points) else t1
         if t > prev:
-            bucket = next((PRIORITY[k] for k, c in enumerate(counts) if c > 0), "other")
+            bucket = next((PRIORITY[k] for k, c in enumerate(counts) if c > 0), Bucket.OTHER)
             parts[bucket].append(t - prev)
             a, b = prev - t0, t - t0
             if segments and segments[-1][2] == bucket and segments[-1][1] == a:

@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import Any
 
 from infra.accounting.clocks import ClockCheck
+from infra.accounting.ledger_format import ResumeHow
 from infra.exit_codes import Outcome
 
 
@@ -72,7 +73,7 @@ class ResumeRecord:
     attempt: int
     at: float  # seconds from W's start
     step: int
-    how: str  # cold | promoted | in_process
+    how: ResumeHow
     url: str
     newest_step: int | None  # the newest committed checkpoint when it looked
     skipped: tuple[tuple[int, str, bool], ...] = ()  # (step, why, quarantined), newest first
@@ -80,7 +81,9 @@ class ResumeRecord:
     def describe(self) -> str:
         """``attempt 2 (promoted standby) resumed from step 125, newest 150 quarantined:
         checksum mismatch in __1_0.distcp``."""
-        who = {"promoted": "promoted standby", "in_process": "in process"}.get(self.how, "cold")
+        who = {ResumeHow.PROMOTED: "promoted standby", ResumeHow.IN_PROCESS: "in process"}.get(
+            self.how, "cold"
+        )
         text = f"attempt {self.attempt} ({who}) resumed from step {self.step}"
         for step, why, quarantined in self.skipped:
             verb = "quarantined" if quarantined else "skipped"

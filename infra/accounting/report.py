@@ -12,20 +12,20 @@ import numpy as np
 
 from infra import tables
 from infra.accounting.mfu import MfuReport
-from infra.accounting.records import BUCKETS, EttReport
+from infra.accounting.records import BUCKETS, Bucket, EttReport
 from infra.figures import pyplot, save_png
 
 TIMELINE_BINS = 2000  # slices of the timeline: more than the figure's pixels across
 COLORS = {
-    "effective_training": "#2ca02c",
-    "wasted_training": "#d62728",
-    "checkpoint_blocking": "#ff7f0e",
-    "startup": "#1f77b4",
-    "recovery": "#9467bd",
-    "eval": "#17becf",
-    "shutdown": "#8c564b",
-    "unknown": "#e7e7e7",
-    "other": "#c7c7c7",
+    Bucket.EFFECTIVE_TRAINING: "#2ca02c",
+    Bucket.WASTED_TRAINING: "#d62728",
+    Bucket.CHECKPOINT_BLOCKING: "#ff7f0e",
+    Bucket.STARTUP: "#1f77b4",
+    Bucket.RECOVERY: "#9467bd",
+    Bucket.EVAL: "#17becf",
+    Bucket.SHUTDOWN: "#8c564b",
+    Bucket.UNKNOWN: "#e7e7e7",
+    Bucket.OTHER: "#c7c7c7",
 }
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from infra.accounting.records import EttReport
+from infra.accounting.records import Bucket, EttReport
 from infra.whatif.checkpoint_cycles import segment, time_to_finish, time_to_reach
 from infra.whatif.simulated_job import FailureEvent, JobModel
 
@@ -223,13 +223,17 @@ class Validation:
         return [
             ("ETT %", self.measured.ett_pct, p.ett_pct),
             ("wall s", self.measured.wall_s, p.wall_s),
-            ("effective training s", b["effective_training"], p.effective_s),
-            ("wasted training s", b["wasted_training"], p.wasted_s),
-            ("checkpoint blocking s", b["checkpoint_blocking"], p.blocking_s),
-            ("startup + recovery s", b["startup"] + b["recovery"], p.startup_s + p.recovery_s),
+            ("effective training s", b[Bucket.EFFECTIVE_TRAINING], p.effective_s),
+            ("wasted training s", b[Bucket.WASTED_TRAINING], p.wasted_s),
+            ("checkpoint blocking s", b[Bucket.CHECKPOINT_BLOCKING], p.blocking_s),
+            (
+                "startup + recovery s",
+                b[Bucket.STARTUP] + b[Bucket.RECOVERY],
+                p.startup_s + p.recovery_s,
+            ),
             (
                 "eval + other + shutdown s",
-                b["eval"] + b["other"] + b["shutdown"],
+                b[Bucket.EVAL] + b[Bucket.OTHER] + b[Bucket.SHUTDOWN],
                 p.other_s + p.shutdown_s,
             ),
             (

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from infra.accounting.records import EttReport
+from infra.accounting.records import Bucket, EttReport
 from infra.exit_codes import Outcome
 
 
@@ -54,9 +54,9 @@ class JobModel:
         counted as blocking, so one blocking is added to the shutdown.
         """
         b = report.buckets
-        work = b["effective_training"]
-        trained = work + b["wasted_training"]  # redone steps have their gaps and evals too
-        overhead = (b["eval"] + b["other"]) / trained if trained > 0 else 0.0
+        work = b[Bucket.EFFECTIVE_TRAINING]
+        trained = work + b[Bucket.WASTED_TRAINING]  # redone steps have their gaps and evals too
+        overhead = (b[Bucket.EVAL] + b[Bucket.OTHER]) / trained if trained > 0 else 0.0
         measured_block = report.checkpoint_blocking_mean_s or 0.0
         step = work / report.num_steps if report.num_steps else report.step_time_median_s
         if report.checkpoint_interval_steps and step:
@@ -75,7 +75,7 @@ class JobModel:
             upload_s=upload,
             startup_s=report.time_to_start_s or 0.0,
             restart_s=restart_s,
-            shutdown_s=b["shutdown"] + (block if report.num_checkpoints_committed else 0.0),
+            shutdown_s=b[Bucket.SHUTDOWN] + (block if report.num_checkpoints_committed else 0.0),
             loop_overhead=overhead,
             step_time_s=step,
             restart_by_cause=by_cause,
