@@ -55,6 +55,7 @@ from infra.settings import (
     CheckpointMode,
     EvalMode,
     JobConfig,
+    config_yaml,
     dump_config,
     load_config,
 )
@@ -136,8 +137,9 @@ class Orchestrator:
 
     # -- the job's life -------------------------------------------------------------------
     def __enter__(self) -> Orchestrator:
-        """Take the job's lease, hand the ranks the resolved config, launch attempt 0 (or the
-        next number of a job run before). Raises JobLocked while another job holds the id."""
+        """Take the job's lease, hand the ranks the resolved config (and keep it in the job's
+        folder), launch attempt 0 (or the next number of a job run before). Raises JobLocked
+        while another job holds the id."""
         self.first_attempt = next_attempt(self.layout)
         self._numbers = itertools.count(self.first_attempt)
         if self.first_attempt:
@@ -151,6 +153,7 @@ class Orchestrator:
             self._folder = tempfile.mkdtemp(prefix=f"ett-{self.config.job_id}-")
             path = os.path.join(self._folder, "job.yaml")
             dump_config(self.config, path)
+            storage.write_text(self.layout.config, config_yaml(self.config))  # the job's record
             self.spec = LaunchSpec.of(self.config, path, **self._launch_seams)
             self.evaluator = SideEvaluator(path, self.log)
             if self.first_attempt:

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from infra import processes
+from infra import processes, storage
 from infra.accounting.ett import report_for_job
 from infra.accounting.ledger import next_attempt
 from infra.accounting.ledger_format import Mark, Span
 from infra.accounting.ledger_read import read_events
 from infra.control import JobState, Phase, Progress
 from infra.exit_codes import ExitCode, Outcome, name_of, outcome_of
-from infra.settings import JobConfig, dump_config
+from infra.settings import JobConfig, dump_config, load_resolved
 from tasks.attempt import AttemptProcess, AttemptReport, LaunchSpec, Timeouts, watch
 from tasks.orchestrator import JobObserver, Orchestrator, run
 from tasks.retry_policy import JobOutcome
@@ -476,6 +476,15 @@ def test_preemptions_are_not_failures(tmp_path: Path) -> None:
     assert [a.last_step for a in outcome.attempts] == [3, 4, 8]
     assert outcome.failures == 0 and outcome.preemptions == 2 and sleeps == []
     assert outcome.message == "succeeded on attempt 2 after 0 failure(s) and 2 preemption(s)"
+
+
+def test_the_resolved_config_is_kept_in_the_jobs_folder(tmp_path: Path) -> None:
+    """job.yaml on the job's storage: what every process of the job reads, credentials out."""
+    config, outcome, _ = _run(tmp_path, [], steps=2)
+    assert outcome.succeeded, outcome.message
+    copy = tmp_path / "kept.yaml"
+    copy.write_text(storage.read_text(config.layout.config))
+    assert load_resolved(copy).public_dict() == config.public_dict()
 
 
 def test_an_endless_preemption_loop_stops_at_max_preemptions(tmp_path: Path) -> None:
