@@ -132,7 +132,7 @@ def run_mode(mode: str, work: Path, rep: int, args: argparse.Namespace, tracking
         "ETT_PUBLISH_REGISTERED_MODEL": f"bench-ranker-{mode}",
     }
     program = [COUPLED] if mode == "coupled" else ["-m", "trainer"]
-    cmd = LaunchSpec(str(cfg_path), nproc=args.nproc, program=tuple(program)).commands(0, job_id)[0]
+    cmd = LaunchSpec(str(cfg_path), nproc=args.nproc, program=tuple(program)).command()
     code, start, end = run_timed(cmd, env, work / f"{job_id}.log")
     if code != 0:
         raise RuntimeError(f"{mode} job failed ({code}); see {work / f'{job_id}.log'}")

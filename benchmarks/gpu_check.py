@@ -144,7 +144,7 @@ def nccl_training(dry: bool, out: Path, steps: int) -> dict[str, Any]:
     dump_config(config, path)
     env = {"OMP_NUM_THREADS": "1"} if dry else {}
     backend = f"backend {'gloo' if dry else 'cpu:gloo,cuda:nccl'}"
-    cmd = LaunchSpec(str(path)).commands(0, "gpu-check")[0]
+    cmd = LaunchSpec(str(path)).command()
     res = run_part(cmd, LIMITS["nccl_training"], env, grep=(backend,))
     storage.configure(config.storage)
     events = read_events(config.layout)

@@ -99,7 +99,7 @@ BREAKS = (
         (
             (
                 "            attempt.end(timeouts.grace_s, preempt=True)\n",
-                "            [p.send_signal(signal.SIGTERM) for p in attempt.procs]\n",
+                "            [os.kill(n.pids()[0], signal.SIGTERM) for n in attempt.nodes]\n",
             ),
         ),
         ATTEMPT_TESTS,
@@ -107,12 +107,12 @@ BREAKS = (
     Break(
         "B4b",
         "ending an attempt signals each launcher only (the rank and tree sweeps stay)",
-        "tasks/attempt.py",
+        "tasks/local_node.py",
         (
             (
-                "            signalled += processes.terminate_tree"
-                "(proc.pid, grace_s, first, reap=proc.poll)\n",
-                "            proc.send_signal(first)\n",
+                "        signalled = processes.terminate_tree"
+                "(self.proc.pid, grace_s, first, reap=self.proc.poll)\n",
+                "        self.proc.send_signal(first)\n        signalled: list[int] = []\n",
             ),
         ),
         ATTEMPT_TESTS,

@@ -19,42 +19,34 @@ What to do next (promote a standby, relaunch, give up) is the orchestrator's
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from infra import processes
 from infra.accounting import clocks
 from infra.control import ENV_ATTEMPT, Command, ControlDir, JobState, Phase, Progress
 from infra.exit_codes import ExitCode, Outcome, name_of
 from infra.settings import JobConfig
-from tasks.agent_pool import PooledLauncher, claim
+from tasks.local_node import LocalNode, Log, OutputPump
 
 POLL_S = 0.05  # how often a watched attempt is looked at (a file read and a waitpid)
 TRACK_EVERY_S = 1.0  # how often its process tree is listed (a /proc scan)
-RENDEZVOUS_HOST = "127.0.0.1"
+LOCAL_ADDRESS = "localhost"  # what the nodes of a job on this host advertise to each other
 # SIGTERM -> SIGKILL: the trainer's emergency checkpoint gets its budget, plus this margin.
 GRACE_MARGIN_S = 5.0
-
-Log = logging.Logger | logging.LoggerAdapter[logging.Logger]
 
 
 # -- what to launch ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LaunchSpec:
     """How every attempt of a job is started: the config file the ranks read, ranks per node
-    and nodes. Several nodes on one machine each get their own torchrun agent, joined by
-    c10d rendezvous on loopback (a real multi-node job runs one agent per machine with the
-    same flags; see prefect.yaml)."""
+    and nodes. Several nodes join through c10d rendezvous at a store the orchestrator hosts
+    (tasks/rendezvous.py), so the rendezvous outlives any node."""
 
     config_path: str
     nproc: int = 1
@@ -79,69 +71,74 @@ class LaunchSpec:
         launch = config.launch
         return cls(config_path, launch.nproc, launch.nnodes, agent_pool=launch.agent_pool, **seams)
 
-    def commands(self, rendezvous_port: int, run_id: str) -> list[list[str]]:
-        """One command line per node."""
+    def command(
+        self, node_rank: int = 0, rendezvous: str | None = None, run_id: str = "", address: str = ""
+    ) -> list[str]:
+        """The agent command of one node: standalone for one node; else joining the c10d
+        store at ``rendezvous`` (host:port, hosted elsewhere: ``is_host=false``) as
+        ``node_rank``, advertising ``address`` to the other nodes."""
         base = [
             sys.executable,
             *self.launcher,
             f"--nproc-per-node={self.nproc}",
             "--max-restarts=0",
         ]  # restarts are the orchestrator's: it accounts for them
+        tail = [*self.program, "--config", self.config_path]
         if self.nnodes == 1:
-            return [[*base, "--standalone", *self.program, "--config", self.config_path]]
+            return [*base, "--standalone", *tail]
+        if rendezvous is None:
+            raise ValueError(f"{self.nnodes} nodes need a rendezvous endpoint")
         rdzv = [
             f"--nnodes={self.nnodes}",
             "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={RENDEZVOUS_HOST}:{rendezvous_port}",
+            f"--rdzv-endpoint={rendezvous}",
             f"--rdzv-id={run_id}",
+            "--rdzv-conf=is_host=false",
         ]
-        return [
-            [*base, *rdzv, f"--node-rank={n}", *self.program, "--config", self.config_path]
-            for n in range(self.nnodes)
-        ]
+        local = [f"--local-addr={address}"] if address else []
+        return [*base, *rdzv, *local, f"--node-rank={node_rank}", *tail]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((RENDEZVOUS_HOST, 0))
-        return int(sock.getsockname()[1])
+class Node(Protocol):
+    """One node of an attempt, wherever it runs: a local agent (tasks/local_node.py) or a
+    node run on another host (tasks/remote_node.py)."""
+
+    pump: OutputPump | None
+
+    @property
+    def pooled(self) -> bool: ...
+    def agent_code(self) -> int | None: ...
+    def rank_exits(self) -> list[tuple[int, int | None]]: ...
+    def progress(self) -> Progress | None: ...
+    def pids(self) -> list[int]: ...
+    def promote(self, state: JobState, command: Command) -> None: ...
+    def end(self, grace_s: float, first: int) -> list[int]: ...
+    def close(self) -> None: ...
 
 
 # -- one attempt's processes ---------------------------------------------------------------------
-class OutputPump:
-    """Reads an agent's output on a thread and logs it; the sink can be switched (a standby's
-    lines belong to the run that promotes it)."""
-
-    def __init__(self, stream: Any, log: Log, prefix: str) -> None:
-        self.log, self.prefix = log, prefix
-        self.thread = threading.Thread(target=self._run, args=(stream,), daemon=True)
-        self.thread.start()
-
-    def _run(self, stream: Any) -> None:
-        for line in stream:
-            text = line.rstrip()
-            if text:
-                self.log.info("%s%s", self.prefix, text)
-
-
 class AttemptProcess:
-    """The launcher processes (one per node) of one attempt, their control channels and
-    output. ``spawn`` starts them; ``poll`` tells when they are done; ``end`` ends them."""
+    """The nodes of one attempt. ``spawn`` starts them on this host; ``poll`` tells when they
+    are done; ``end`` ends them."""
 
     _ended = False  # set once end() has run to its end
 
     def __init__(self, number: int, standby: bool, spec: LaunchSpec, log: Log) -> None:
         self.number, self.standby, self.spec = number, standby, spec
-        self.controls = [
-            ControlDir(spec.nproc, prefix=f"ett-a{number}-") for _ in range(spec.nnodes)
-        ]
         self.spawned = clocks.wall()  # the ledger's clock: these times go into it
         self.promoted_at: float | None = None
-        self.procs: list[subprocess.Popen[str] | PooledLauncher] = []
-        self.pooled = 0  # launchers claimed from the agent pool
-        self.pumps: list[OutputPump] = []
+        self.nodes: list[Node] = []
         self.log = log
         self.tree = processes.TreeTracker()  # every process of the attempt, ever seen
+
+    @property
+    def pooled(self) -> int:
+        """Launchers claimed from an agent pool."""
+        return sum(node.pooled for node in self.nodes)
+
+    @property
+    def pumps(self) -> list[OutputPump]:
+        return [node.pump for node in self.nodes if node.pump is not None]
 
     @classmethod
     def spawn(
@@ -152,9 +149,11 @@ class AttemptProcess:
         env: dict[str, str],
         state: JobState,
         log: Log,
+        rendezvous: str | None = None,
     ) -> AttemptProcess:
-        """Launch attempt ``number`` (a ``standby`` parks once initialised), its ranks
-        starting from the job's ``state`` (written to their control folders first)."""
+        """Launch attempt ``number`` on this host, every node an agent of its own (a
+        ``standby`` parks once initialised), its ranks starting from the job's ``state``;
+        several nodes join at ``rendezvous``."""
         attempt = cls(number, standby, spec, log)
         base_env = {
             **os.environ,
@@ -163,46 +162,35 @@ class AttemptProcess:
             **env,
             ENV_ATTEMPT: str(number),
         }
-        for control in attempt.controls:
-            control.write_job_state(state)
-        commands = spec.commands(_free_port(), f"ett-attempt{number}-{os.getpid()}")
+        run_id = f"ett-attempt{number}-{os.getpid()}"
+        commands = [
+            spec.command(n, rendezvous, run_id, LOCAL_ADDRESS if spec.nnodes > 1 else "")
+            for n in range(spec.nnodes)
+        ]
+        kind = "standby" if standby else "attempt"
         try:
-            attempt._launch(commands, base_env, log)
+            for node, command in enumerate(commands):
+                prefix = f"[{kind} {number} node {node}] " if spec.nnodes > 1 else ""
+                control = ControlDir(spec.nproc, prefix=f"ett-a{number}-")
+                try:
+                    started = LocalNode.start(
+                        command, base_env, control, state, standby, log, prefix, spec.agent_pool
+                    )
+                except BaseException:
+                    control.close()
+                    raise
+                attempt.nodes.append(started)
         except BaseException:  # interrupted half-way: what started, and its folders, go
             attempt.end(0.0, preempt=False)
             raise
-        kind = "standby" if standby else "attempt"
         pooled = f" ({attempt.pooled} launcher(s) from the agent pool)" if attempt.pooled else ""
         log.info("%s %d started%s: %s", kind, number, pooled, " ".join(commands[0]))
         return attempt
 
-    def _launch(self, commands: list[list[str]], base_env: dict[str, str], log: Log) -> None:
-        """One launcher per node: claimed from the agent pool when it can serve, else new."""
-        spec = self.spec
-        for node, (command, control) in enumerate(zip(commands, self.controls, strict=True)):
-            node_env = {**base_env, **control.env(self.standby)}
-            proc: subprocess.Popen[str] | PooledLauncher | None = None
-            if spec.agent_pool:
-                proc = claim(spec.agent_pool, command, node_env, log)
-                self.pooled += proc is not None
-            if proc is None:
-                proc = subprocess.Popen(
-                    command,
-                    env=node_env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    text=True,
-                    start_new_session=True,  # its own group: a Ctrl-C of ours is not its signal
-                )
-            self.procs.append(proc)
-            prefix = f"[attempt {self.number}{' standby' if self.standby else ''} node {node}] "
-            self.pumps.append(OutputPump(proc.stdout, log, prefix if spec.nnodes > 1 else ""))
-
     # -- looking at it ---------------------------------------------------------------------
     def progress(self) -> Progress | None:
         """Rank 0's progress record (node 0 holds global rank 0)."""
-        return self.controls[0].progress()
+        return self.nodes[0].progress() if self.nodes else None
 
     def poll(self) -> int | None:
         """The attempt's exit code once it is over, None while it runs.
@@ -212,14 +200,15 @@ class AttemptProcess:
         (its code from its exit file, 128 + SIGKILL when it left none), or every rank has
         exited: the ranks' own records tell before torchrun's agents have noticed and torn
         down. Preempted ranks may still be checkpointing: the attempt waits for all of them.
+        A node on another host tells its agent's code only (tasks/remote_node.py).
         """
-        codes = [p.poll() for p in self.procs]
+        codes = [node.agent_code() for node in self.nodes]
         failed = [c for c in codes if c not in (None, 0)]
         if failed:
             return failed[0]
-        if all(c == 0 for c in codes):
+        if codes and all(c == 0 for c in codes):
             return 0
-        ranks = [r for control in self.controls for r in control.ranks().values()]
+        ranks = [r for node in self.nodes for r in node.rank_exits()]
         ended = [(pid, code) for pid, code in ranks if not processes.pid_alive(pid)]
         for _, code in ended:
             if code not in (0, ExitCode.PREEMPTED):
@@ -230,16 +219,15 @@ class AttemptProcess:
 
     def track(self) -> None:
         """Remember the attempt's processes (ranks, their children) while they are ours."""
-        self.tree.scan([p.pid for p in self.procs])
+        self.tree.scan([pid for node in self.nodes for pid in node.pids()])
 
     # -- acting on it ----------------------------------------------------------------------
     def promote(self, state: JobState) -> None:
         """Wake a parked standby: it restores the newest committed checkpoint and trains,
         from the job's ``state`` now (it was spawned knowing an older one)."""
         self.promoted_at = clocks.wall()
-        for control in self.controls:
-            control.write_job_state(state)
-            control.send(Command.PROMOTE)
+        for node in self.nodes:
+            node.promote(state, Command.PROMOTE)
 
     def end(self, grace_s: float, preempt: bool) -> list[int]:
         """End every process of the attempt. ``preempt``: SIGTERM first (the trainer
@@ -252,36 +240,24 @@ class AttemptProcess:
             return []
         first = signal.SIGTERM if preempt else signal.SIGKILL
         signalled: list[int] = []
-        for proc in self.procs:
-            signalled += processes.terminate_tree(proc.pid, grace_s, first, reap=proc.poll)
-        # Ranks whose agent died first, children of ranks: reparented, but tracked.
-        for control in self.controls:
-            for pid, _ in control.ranks().values():
-                if processes.pid_alive(pid):
-                    signalled += processes.terminate_tree(pid, 0.0, signal.SIGKILL)
-        signalled += self.tree.end()
-        self._close()
+        for node in self.nodes:
+            signalled += node.end(grace_s, first)
+        signalled += self.tree.end()  # children of ranks: reparented, but tracked
+        for node in self.nodes:
+            node.close()
         self._ended = True
         return signalled
 
     def release(self, grace_s: float = 2.0) -> list[int]:
         """A standby that will not be promoted: its pipes close (it exits on its own), and
         whatever is left after ``grace_s`` is killed."""
-        for control in self.controls:
-            control.close()
+        for node in self.nodes:
+            if isinstance(node, LocalNode):
+                node.control.close()
         deadline = time.monotonic() + grace_s
         while self.poll() is None and time.monotonic() < deadline:
             time.sleep(POLL_S)
         return self.end(0.0, preempt=False)
-
-    def _close(self) -> None:
-        for control in self.controls:
-            control.close()
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
-        for pump in self.pumps:
-            pump.thread.join(timeout=2)
 
 
 # -- watching ------------------------------------------------------------------------------------

@@ -59,7 +59,16 @@ from infra.settings import (
     dump_config,
     load_config,
 )
-from tasks.attempt import AttemptProcess, AttemptReport, LaunchSpec, Log, Timeouts, watch
+from tasks.attempt import (
+    LOCAL_ADDRESS,
+    AttemptProcess,
+    AttemptReport,
+    LaunchSpec,
+    Timeouts,
+    watch,
+)
+from tasks.local_node import Log
+from tasks.rendezvous import RendezvousHost
 from tasks.retry_policy import JobOutcome, RetryPolicy
 from tasks.side_evaluator import SideEvaluator
 
@@ -131,6 +140,7 @@ class Orchestrator:
         self._settled = False
         self._lease: JobLease | None = None
         self._folder: str | None = None  # the ranks' config, a temp folder of this process
+        self._rendezvous: RendezvousHost | None = None  # several nodes' c10d store
         self._clock_attrs: dict[str, object] = {}  # for the first orchestrator ledger file
         async_eval = config.train.eval == EvalMode.ASYNC
         self._async_eval = async_eval and config.checkpoint.mode != CheckpointMode.OFF
@@ -155,6 +165,8 @@ class Orchestrator:
             dump_config(self.config, path)
             storage.write_text(self.layout.config, config_yaml(self.config))  # the job's record
             self.spec = LaunchSpec.of(self.config, path, **self._launch_seams)
+            if self.spec.nnodes > 1:
+                self._rendezvous = RendezvousHost(LOCAL_ADDRESS)
             self.evaluator = SideEvaluator(path, self.log)
             if self.first_attempt:
                 self._measure_clocks()
@@ -213,6 +225,8 @@ class Orchestrator:
         finally:
             if hasattr(self, "evaluator"):
                 self.evaluator.stop()
+            if self._rendezvous is not None:
+                self._rendezvous.close()
             if self._lease is not None:
                 self._lease.release()
             if self._folder is not None:
@@ -362,8 +376,10 @@ class Orchestrator:
 
     def _spawn(self, standby: bool) -> AttemptProcess:
         assert self._lease is not None
+        rendezvous = None if self._rendezvous is None else self._rendezvous.endpoint
+        number, env = next(self._numbers), self._lease.env()
         return AttemptProcess.spawn(
-            self.spec, next(self._numbers), standby, self._lease.env(), self._job_state(), self.log
+            self.spec, number, standby, env, self._job_state(), self.log, rendezvous
         )
 
     def _measure_clocks(self) -> None:

@@ -14,7 +14,7 @@ import sys
 import time
 
 from infra import processes
-from tasks.attempt import Log, OutputPump
+from tasks.local_node import Log, OutputPump
 
 
 class SideEvaluator:

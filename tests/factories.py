@@ -53,7 +53,7 @@ def trainer_command(config_path: str | Path, nproc: int = 1) -> list[str]:
     """The command line of one single-node attempt, exactly as the orchestrator builds it."""
     from tasks.attempt import LaunchSpec
 
-    return LaunchSpec(str(config_path), nproc=nproc).commands(0, "test")[0]
+    return LaunchSpec(str(config_path), nproc=nproc).command()
 
 
 def run_trainer(

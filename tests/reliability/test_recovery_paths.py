@@ -141,7 +141,7 @@ def _kill_when_standby_parked(config: JobConfig, attempt: AttemptProcess, seen: 
         )
         if parked and committed:
             seen.append(committed_checkpoints(config.layout)[0].step)
-            for pid, _ in attempt.controls[0].ranks().values():
+            for pid, _ in attempt.nodes[0].rank_exits():
                 os.kill(pid, signal.SIGKILL)
             return
         time.sleep(0.1)

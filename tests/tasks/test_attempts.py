@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +29,7 @@ from infra.exit_codes import ExitCode, Outcome, name_of, outcome_of
 from infra.settings import JobConfig, dump_config, load_resolved
 from tasks.attempt import AttemptProcess, AttemptReport, LaunchSpec, Timeouts, watch
 from tasks.orchestrator import JobObserver, Orchestrator, run
+from tasks.rendezvous import RendezvousHost
 from tasks.retry_policy import JobOutcome
 from tests import procs
 from tests.factories import tiny_config
@@ -78,11 +80,11 @@ def test_only_fatal_outcomes_stop_and_preemptions_are_not_failures() -> None:
 
 
 def test_launch_commands_for_one_node_and_for_several() -> None:
-    """One node: a standalone agent. Several: one agent per node, joined by c10d rendezvous
-    on loopback, each with its node rank; restarts are the orchestrator's, never torchrun's."""
+    """One node: a standalone agent. Several: one agent per node, each with its node rank,
+    joining the store hosted elsewhere (never as its host) and advertising its address;
+    restarts are the orchestrator's, never torchrun's."""
     spec = LaunchSpec("job.yaml", nproc=2)
-    [one] = spec.commands(29400, "run-1")
-    assert one == [
+    assert spec.command() == [
         sys.executable,
         "-m",
         "trainer.launch",
@@ -94,34 +96,51 @@ def test_launch_commands_for_one_node_and_for_several() -> None:
         "--config",
         "job.yaml",
     ]
-    nodes = LaunchSpec("job.yaml", nproc=1, nnodes=2).commands(29400, "run-1")
-    ranks = [[a for a in c if a.startswith("--node-rank=")] for c in nodes]
-    assert ranks == [["--node-rank=0"], ["--node-rank=1"]]
+    two = LaunchSpec("job.yaml", nproc=1, nnodes=2)
+    nodes = [two.command(n, "orch.example:29400", "run-1", f"host{n}") for n in range(2)]
+    ranks = [[a for a in c if a.startswith(("--node-rank=", "--local-addr="))] for c in nodes]
+    assert ranks == [
+        ["--local-addr=host0", "--node-rank=0"],
+        ["--local-addr=host1", "--node-rank=1"],
+    ]
     for command in nodes:
         assert "--standalone" not in command and "--nnodes=2" in command
         assert "--rdzv-backend=c10d" in command and "--rdzv-id=run-1" in command
-        assert "--rdzv-endpoint=127.0.0.1:29400" in command
+        assert "--rdzv-endpoint=orch.example:29400" in command
+        assert "--rdzv-conf=is_host=false" in command
         assert command[-4:] == ["-m", "trainer", "--config", "job.yaml"]
+    with pytest.raises(ValueError, match="2 nodes need a rendezvous endpoint"):
+        two.command(0)
     for bad in ({"nproc": 0}, {"nnodes": 0}):
         with pytest.raises(ValueError, match="need nproc >= 1 and nnodes >= 1"):
             LaunchSpec("job.yaml", **bad)
 
 
+def test_the_rendezvous_store_takes_a_port_the_os_hands_out_and_frees_it() -> None:
+    """The orchestrator's c10d store: a port from the OS's ephemeral range (not a fixed one
+    two jobs would fight over), reachable while it lives, closed after."""
+    with RendezvousHost("localhost") as host:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        assert low <= host.port <= high and host.endpoint == f"localhost:{host.port}"
+        socket.create_connection(("localhost", host.port), timeout=5).close()
+    with pytest.raises(OSError):
+        socket.create_connection(("localhost", host.port), timeout=5).close()
+
+
 def test_each_nodes_output_is_named_and_agents_that_exit_0_end_the_attempt(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Two nodes: every output line names its node, and both agents got the same rendezvous
-    port, one the OS handed out (from its ephemeral range, not a fixed one). Agents that all
-    exit 0 end the attempt with 0, whether or not their ranks left records."""
+    """Two nodes: every output line names its node, both agents join the same rendezvous.
+    Agents that all exit 0 end the attempt with 0, whether or not their ranks left records."""
     argv = "import sys; print(*sys.argv[1:])"  # an agent that prints its flags and exits 0
     spec = LaunchSpec(str(tmp_path / "job.yaml"), nnodes=2, launcher=("-c", argv))
     with caplog.at_level(logging.INFO, logger="test-nodes"):
         attempt = AttemptProcess.spawn(
-            spec, 3, False, {}, JobState(), logging.getLogger("test-nodes")
+            spec, 3, False, {}, JobState(), logging.getLogger("test-nodes"), "localhost:29999"
         )
         try:
-            for proc in attempt.procs:
-                proc.wait(timeout=60)
+            for node in attempt.nodes:
+                node.proc.wait(timeout=60)
             assert attempt.poll() == 0
         finally:
             attempt.end(0.0, preempt=False)  # reaps the agents, joins their output
@@ -130,9 +149,8 @@ def test_each_nodes_output_is_named_and_agents_that_exit_0_end_the_attempt(
         "[attempt 3 node 0",
         "[attempt 3 node 1",
     ]
-    ports = {a.rsplit(":", 1)[1] for line in lines for a in line.split() if "rdzv-endpoint" in a}
-    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    assert len(ports) == 1 and low <= int(ports.pop()) <= high
+    endpoints = {a for line in lines for a in line.split() if "rdzv-endpoint" in a}
+    assert endpoints == {"--rdzv-endpoint=localhost:29999"}
 
 
 def test_reports_say_what_became_of_an_attempt() -> None:
@@ -438,7 +456,7 @@ def test_the_hang_kill_itself_ends_every_process_of_the_attempt(tmp_path: Path) 
         assert hung and last is not None and last.step == 2
         assert code == ExitCode.PREEMPTED  # it was asked to stop, and did, within the grace
         child = int((tmp_path / "child.0").read_text())
-        left = [p for p in (attempt.procs[0].pid, child) if processes.pid_alive(p)]
+        left = [p for p in (attempt.nodes[0].pids()[0], child) if processes.pid_alive(p)]
         assert left == [], f"alive after the hang kill: {left}"
     finally:
         attempt.end(0.0, preempt=False)

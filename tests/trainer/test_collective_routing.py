@@ -58,7 +58,7 @@ def test_trainer_collectives_are_routed_to_a_backend_for_their_device(tmp_path: 
     path = tmp_path / "routing.yaml"
     dump_config(config, path)
     program = ("-m", "tests.trainer.collective_routing")  # the trainer, with collectives logged
-    command = LaunchSpec(str(path), nproc=2, program=program).commands(0, "routing")[0]
+    command = LaunchSpec(str(path), nproc=2, program=program).command()
     logs = tmp_path / "collectives"
     logs.mkdir()
     env = {
