@@ -142,8 +142,8 @@ def scratch_dir() -> str | None:
 class ControlDir:
     """The orchestrator's end: create the pipes, keep them open, send commands, read progress."""
 
-    def __init__(self, nproc: int, prefix: str = "ett-control-") -> None:
-        self.path = tempfile.mkdtemp(prefix=prefix)
+    def __init__(self, nproc: int, prefix: str = "ett-control-", parent: str | None = None) -> None:
+        self.path = tempfile.mkdtemp(prefix=prefix, dir=parent)  # parent: a node's scratch
         self._fds: list[int] = []
         for local_rank in range(nproc):
             fifo = os.path.join(self.path, _fifo_name(local_rank))

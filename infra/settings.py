@@ -260,6 +260,11 @@ class LaunchConfig(_Frozen):
     # A warm agent pool's socket (``ett pool``): launchers are claimed from it when it can
     # serve them, else started fresh (docs/recovery.md).
     agent_pool: str | None = None
+    # A Prefect work pool whose workers run the nodes: each node is a node run (the
+    # ``train-node`` flow deployed to that pool) on whichever host a worker places it, and
+    # the hosts share only the job's storage (docs/multi-host.md). None: the nodes are
+    # this host's subprocesses.
+    work_pool: str | None = None
 
 
 class RecoveryConfig(_Frozen):
@@ -291,6 +296,13 @@ class RecoveryConfig(_Frozen):
     # ...unless the previous in-process restart was less than this long ago: then the
     # attempt fails and the orchestrator takes over.
     in_process_window_s: float = Field(default=60.0, ge=0, le=86_400)
+
+    # On a work pool: node runs kept parked on hosts of their own, one promoted into a lost
+    # node's place (a standby is per host: a job on a work pool keeps spares instead)...
+    spare_nodes: int = Field(default=0, ge=0, le=1024)
+    # ...and a node run whose heartbeat has not changed for this long is lost (its host, its
+    # pod or its process gone); node runs whose orchestrator went silent this long end.
+    node_timeout_s: float = Field(default=15.0, ge=2, le=3600)
 
 
 class FaultConfig(_Frozen):

@@ -322,8 +322,11 @@ def watch(
             attempt.track()
             next_scan = now + TRACK_EVERY_S
         progress = attempt.progress()
-        # A promoted standby's record says "parked" until it reports again: not news.
-        fresh = progress is not None and (progress.t >= start or last is not None)
+        # A promoted standby's record says "parked" until it reports again: not news. (A
+        # cold attempt's record is new: its time, maybe another host's clock, is not asked.)
+        fresh = progress is not None and (
+            attempt.promoted_at is None or progress.t >= start or last is not None
+        )
         if fresh and (last is None or (progress.phase, progress.step) != (last.phase, last.step)):
             if last is None or progress.phase != last.phase:
                 attempt.track()

@@ -50,6 +50,7 @@ from infra.accounting.summary import JobSummary
 from infra.control import JobState, Phase, Progress
 from infra.exit_codes import Outcome, name_of, outcome_of
 from infra.lease import JobLease, acquire_job_lease
+from infra.node_protocol import advertise_address
 from infra.preflight import preflight
 from infra.settings import (
     CheckpointMode,
@@ -68,6 +69,8 @@ from tasks.attempt import (
     watch,
 )
 from tasks.local_node import Log
+from tasks.node_runs import WorkPoolNodeRuns
+from tasks.remote_node import NodeFleet, NodeRuns
 from tasks.rendezvous import RendezvousHost
 from tasks.retry_policy import JobOutcome, RetryPolicy
 from tasks.side_evaluator import SideEvaluator
@@ -126,6 +129,7 @@ class Orchestrator:
         self.scheduling = scheduling  # the flow run's expected -> actual start
         self.sleep = sleep
         self.timeouts = Timeouts.of(config)
+        self._node_runs: NodeRuns | None = launch_seams.pop("node_runs", None)  # tests
         self._launch_seams = launch_seams  # env, launcher, program: tests
         self.started_at = clocks.wall()
         self.result: JobResult | None = None
@@ -141,6 +145,7 @@ class Orchestrator:
         self._lease: JobLease | None = None
         self._folder: str | None = None  # the ranks' config, a temp folder of this process
         self._rendezvous: RendezvousHost | None = None  # several nodes' c10d store
+        self._fleet: NodeFleet | None = None  # the node runs of a job on a work pool
         self._clock_attrs: dict[str, object] = {}  # for the first orchestrator ledger file
         async_eval = config.train.eval == EvalMode.ASYNC
         self._async_eval = async_eval and config.checkpoint.mode != CheckpointMode.OFF
@@ -165,8 +170,13 @@ class Orchestrator:
             dump_config(self.config, path)
             storage.write_text(self.layout.config, config_yaml(self.config))  # the job's record
             self.spec = LaunchSpec.of(self.config, path, **self._launch_seams)
+            pool = self.config.launch.work_pool
             if self.spec.nnodes > 1:
-                self._rendezvous = RendezvousHost(LOCAL_ADDRESS)
+                self._rendezvous = RendezvousHost(advertise_address() if pool else LOCAL_ADDRESS)
+            if pool or self._node_runs is not None:
+                runs = self._node_runs or WorkPoolNodeRuns(pool or "", self.layout)
+                self._fleet = NodeFleet(self.config, runs, self.log)
+                self._fleet.start()
             self.evaluator = SideEvaluator(path, self.log)
             if self.first_attempt:
                 self._measure_clocks()
@@ -225,6 +235,8 @@ class Orchestrator:
         finally:
             if hasattr(self, "evaluator"):
                 self.evaluator.stop()
+            if self._fleet is not None:
+                self._fleet.close()
             if self._rendezvous is not None:
                 self._rendezvous.close()
             if self._lease is not None:
@@ -330,6 +342,9 @@ class Orchestrator:
     # -- the standby -------------------------------------------------------------------------
     @property
     def _wants_standby(self) -> bool:
+        """A job on a work pool keeps spare nodes instead (a standby is one host's)."""
+        if self._fleet is not None:
+            return False
         return self.config.recovery.standby and self._standby_losses < MAX_STANDBY_LOSSES
 
     def _check_standby(self) -> None:
@@ -378,6 +393,13 @@ class Orchestrator:
         assert self._lease is not None
         rendezvous = None if self._rendezvous is None else self._rendezvous.endpoint
         number, env = next(self._numbers), self._lease.env()
+        if self._fleet is not None:  # parked node runs on the pool's hosts
+            wait_s = self.config.recovery.startup_timeout_s
+            attempt = AttemptProcess(number, False, self.spec, self.log)
+            attempt.nodes.extend(
+                self._fleet.launch(number, self._job_state(), env, rendezvous or "", wait_s)
+            )
+            return attempt
         return AttemptProcess.spawn(
             self.spec, number, standby, env, self._job_state(), self.log, rendezvous
         )
