@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -92,6 +93,25 @@ def test_in_one_process_the_offset_is_zero_within_its_error(server: ClockServer)
     sample = measure_offset(server.address)
     assert sample.reference == clocks.domain_of(clocks.identity())
     assert sample.error_s >= 0
+    assert abs(sample.offset_s) <= sample.error_s + SLACK_S
+
+
+def test_a_reading_late_in_the_round_trip_stays_within_the_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server reads its clock late in each round trip (it is slow to read it): the
+    estimate is off by that asymmetry, never by more than its error."""
+    real = clocks.wall
+
+    def late() -> float:
+        if threading.current_thread().name.startswith("clock-server"):
+            time.sleep(0.02)
+        return real()
+
+    monkeypatch.setattr(clocks, "wall", late)
+    with ClockServer("127.0.0.1") as server:
+        sample = measure_offset(server.address, samples=3)
+    assert sample.error_s >= 0.01  # the sleep is inside every round trip
     assert abs(sample.offset_s) <= sample.error_s + SLACK_S
 
 
