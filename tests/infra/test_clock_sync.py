@@ -10,6 +10,7 @@ never a duration.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -24,8 +25,12 @@ import pytest
 
 from infra import clock_sync
 from infra.accounting import clocks
+from infra.accounting.ett import compute_report
 from infra.accounting.host_offsets import ENV_OFFSET, ClockSample
+from infra.accounting.ledger import Ledger
+from infra.accounting.ledger_read import read_ledger
 from infra.clock_sync import MAX_LINE, ClockServer, ClockSyncError, measure_offset
+from infra.job_layout import JobLayout
 
 ROOT = Path(__file__).resolve().parents[2]
 SLACK_S = 1e-3
@@ -33,9 +38,10 @@ SHIFT_S = 5.0
 
 CLIENT = """
 import sys
+from infra.accounting.host_offsets import ENV_OFFSET
 from infra.clock_sync import measure_offset
 sample = measure_offset(sys.argv[1])
-print(sample.env()["ETT_CLOCK_OFFSET"])
+print(sample.env()[ENV_OFFSET])
 print("torch" in sys.modules)
 """
 
@@ -48,8 +54,24 @@ with ClockServer("127.0.0.1") as server:
 """
 
 
+NODE_RUN = """
+import os, sys, time
+from infra.accounting.ledger import Ledger
+from infra.clock_sync import measure_offset
+from infra.job_layout import JobLayout
+os.environ.update(measure_offset(sys.argv[1]).env())  # what a node run hands its ranks
+with Ledger(JobLayout.at(sys.argv[2])) as led:
+    led.mark("attempt_start")
+    for step in (1, 2, 3):
+        with led.span("train_step", step=step):
+            time.sleep(0.01)
+    led.mark("job_end", step=3)
+"""
+
+
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in (clocks.ENV_SHIFT, clocks.ENV_HOST)}
+    ours = (clocks.ENV_SHIFT, clocks.ENV_HOST, ENV_OFFSET)
+    env = {k: v for k, v in os.environ.items() if k not in ours}
     return {**env, "PYTHONPATH": str(ROOT), **extra}
 
 
@@ -259,3 +281,33 @@ def test_a_full_server_lets_the_next_client_wait_and_closes_silent_ones(
         first.close()
         second.close()
     assert abs(sample.offset_s) <= sample.error_s + SLACK_S
+
+
+def test_a_node_5_s_ahead_measures_writes_and_is_moved_back_end_to_end(tmp_path: Path) -> None:
+    """A node run on ``node-1``, its clock 5 s ahead (``ETT_FAULT_CLOCK_SHIFT_S``), measures
+    against the orchestrator's server and hands the result to its trainer's ledger; the
+    orchestrator records the launch around it. Read back, every node event lies within the
+    launch (it cannot have happened outside it), and W is no longer than the launch."""
+    layout = JobLayout.at(f"file://{tmp_path}/job")
+    with ClockServer("127.0.0.1") as server, Ledger(layout, role="orchestrator") as orch:
+        before = clocks.wall()
+        done = subprocess.run(
+            [sys.executable, "-c", NODE_RUN, server.address, layout.url],
+            env=_env(**{clocks.ENV_SHIFT: str(SHIFT_S), clocks.ENV_HOST: "node-1"}),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
+        after = clocks.wall()
+        orch.record_span("launcher_init", before, after)
+    assert done.returncode == 0, done.stderr
+    read = read_ledger(layout)
+    node = [e for e in read.events if e.source.startswith("trainer")]
+    assert [e.name for e in node] == ["attempt_start", *["train_step"] * 3, "job_end"]
+    assert all(before <= e.start <= e.end <= after for e in node)
+    [moved] = read.clock.offsets
+    assert moved.what == "host node-1" and abs(moved.offset_s - SHIFT_S) <= moved.error_s + SLACK_S
+    report = compute_report(read.events, clock=read.clock)
+    assert report.wall_s <= after - before + 1e-6
+    assert math.isclose(math.fsum(report.buckets.values()), report.wall_s, rel_tol=1e-12)
