@@ -60,10 +60,11 @@ class _Client:
 
 class ClockServer:
     """Answers each request with this process's wall clock and clock domain, from a daemon
-    thread. ``with ClockServer("0.0.0.0") as server: ... server.address``; ``close()``
-    leaves no thread and no socket behind. ``address`` is what it bound (``host:port``)."""
+    thread. ``with ClockServer("0.0.0.0") as server: ... server.port``; ``close()`` leaves
+    no thread and no socket behind. ``address`` is what it bound (``host:port``): bound to a
+    wildcard, tell the nodes this host's name with ``port``."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str, port: int = 0) -> None:
         self._bind = (host, port)
         self._domain = clocks.domain_of(clocks.identity())
         self._listener: socket.socket | None = None
@@ -73,10 +74,18 @@ class ClockServer:
 
     @property
     def address(self) -> str:
+        host, port = self._bound()
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    @property
+    def port(self) -> int:
+        return self._bound()[1]
+
+    def _bound(self) -> tuple[str, int]:
         if self._listener is None:
             raise RuntimeError("the clock server is not started")
         host, port = self._listener.getsockname()[:2]
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return host, port
 
     def start(self) -> ClockServer:
         if self._thread is not None:
@@ -84,12 +93,19 @@ class ClockServer:
         host, port = self._bind
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family, backlog=1024)
-        self._listener.setblocking(False)
-        self._stop_r, self._stop_w = socket.socketpair()
-        self._thread = threading.Thread(
-            target=self._serve, name=f"clock-server-{self.address}", daemon=True
-        )
-        self._thread.start()
+        try:
+            self._listener.setblocking(False)
+            self._stop_r, self._stop_w = socket.socketpair()
+            self._thread = threading.Thread(
+                target=self._serve, name=f"clock-server-{self.address}", daemon=True
+            )
+            self._thread.start()
+        except BaseException:
+            for sock in (self._listener, self._stop_r, self._stop_w):
+                if sock is not None:
+                    sock.close()
+            self._thread = self._listener = self._stop_r = self._stop_w = None
+            raise
         return self
 
     def close(self) -> None:

@@ -248,6 +248,7 @@ def test_close_leaves_no_thread_and_no_socket() -> None:
     address = server.address
     name = f"clock-server-{address}"
     assert name in [t.name for t in threading.enumerate()]
+    assert address == f"127.0.0.1:{server.port}"
     client = _connect(address)  # still connected when the server closes
     measure_offset(address)  # accepted after the client: the client's is accepted too
     ours = _socket_inodes() - before - {f"socket:[{os.fstat(client.fileno()).st_ino}]"}
