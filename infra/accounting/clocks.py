@@ -26,11 +26,19 @@ the ETT calculator sees anything. The rules, in order:
    them (or one was faulted). All of a host's processes are timed with the offset of its
    most recent process (``ClockOffset``, said in the report above ``REPORT_OFFSET_S``).
 5. **Hosts are aligned by what was measured between them.** A ``clock`` line may carry
-   ``ahead``: for another host, how far its clock was at least ahead of this process's
-   (the orchestrator measures it when it resumes a job whose ledger ends in its future:
-   that host's last event cannot have happened after this process started). That host's
-   events are moved back by the bound. Hosts without any measurement keep their times,
-   and the report names them.
+   ``measured_offset``: its host's offset to a reference clock domain, measured at
+   rendezvous (``infra/clock_sync.py``; its format, its variable ``ETT_CLOCK_OFFSET`` and
+   the choice in ``infra/accounting/host_offsets.py``). The host's events are moved onto
+   the reference's clock by it (and by what moves the reference). One per host: of its
+   processes' samples, re-expressed on its one clock (rule 4), the one with the smallest
+   error. Else a ``clock`` line may carry ``ahead``: for another host, how far its clock
+   was at least ahead of this process's (the orchestrator measures it when it resumes a
+   job whose ledger ends in its future: that host's last event cannot have happened after
+   this process started). That host's events are moved back by the bound. A measured
+   offset wins over a bound; a bound still moves a host without one. The report says each
+   correction above ``REPORT_OFFSET_S``, and a measured one whose error is over
+   ``UNSURE_ERROR_S`` however small (applied all the same). Hosts without any measurement
+   keep their times, and the report names them.
 6. **Ledgers without monotonic readings** (written by older versions, no ``clock`` line):
    rule 2 with ``LEGACY_TOLERANCE_S`` both ways around the neighbouring lines' median.
    Lines written with a test's own clock (a ``clock`` line without ``mono``) are taken as
@@ -53,12 +61,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from infra.accounting import host_offsets
 from infra.accounting.ledger_format import Span
 
 TOLERANCE_S = 1.0  # wall vs monotonic + offset, or a time vs the lines written after it
 LOOKBACK_S = 600.0  # how long before its file was opened a line may start (launcher_init:
 # the launch that the orchestrator's file records once it watches it)
 REPORT_OFFSET_S = 0.5  # an offset between processes or hosts larger than this is reported
+UNSURE_ERROR_S = 1.0  # a measured offset with a larger error is reported, however small
 LEGACY_TOLERANCE_S = 3600.0  # ledgers without monotonic readings (their wall clock may
 # have been stepped mid-file, so only a gross outlier is taken as corrupt)
 NEIGHBOURS = 5  # later (and, for legacy files, earlier) lines a line is compared with
@@ -143,6 +153,7 @@ class ProcessClock:
     domain: str
     monotonic: bool  # its lines carry monotonic readings
     ahead: dict[str, float] = field(default_factory=dict)  # domain -> at least this far ahead
+    measured: host_offsets.ClockSample | None = None  # its host's, to a reference (rule 5)
     opened: tuple[float, float] | None = None  # (wall, monotonic) when the file was opened
 
 
@@ -154,6 +165,7 @@ class ClockOffset:
     what: str
     offset_s: float
     how: str
+    error_s: float = 0.0  # of a measured offset
 
 
 @dataclass(frozen=True)
@@ -182,9 +194,12 @@ class ClockCheck:
             out.append(f"{self.rejected} event(s) dropped: no reading of theirs fits its process")
         out += [f"  {example}" for example in self.examples]
         for o in self.offsets:
-            if abs(o.offset_s) > REPORT_OFFSET_S:
+            if abs(o.offset_s) > REPORT_OFFSET_S or o.error_s > UNSURE_ERROR_S:
                 side = "ahead of" if o.offset_s > 0 else "behind"
-                out.append(f"clock offset: {o.what} ran {abs(o.offset_s):.1f} s {side} {o.how}")
+                line = f"clock offset: {o.what} ran {abs(o.offset_s):.1f} s {side} {o.how}"
+                if o.error_s > UNSURE_ERROR_S:
+                    line += f", +-{o.error_s:.1f} s: it may be off by as much"
+                out.append(line)
         out += [
             f"clock offset: host {label(h)} has no measured offset: its times are taken as written"
             for h in self.unaligned
@@ -316,7 +331,7 @@ def align(events: Sequence[E], clocks: dict[str, ProcessClock]) -> tuple[list[E]
     for src in sources.values():
         src.events = checker.check(src)
 
-    # Rule 3: one offset per host, its most recent process's.
+    # Rule 4: one offset per host, its most recent process's.
     offsets: list[ClockOffset] = []
     by_domain: dict[str, list[_Source]] = defaultdict(list)
     for src in sources.values():
@@ -343,24 +358,39 @@ def align(events: Sequence[E], clocks: dict[str, ProcessClock]) -> tuple[list[E]
             for value, files in sorted(off.items())
         ]
 
-    # Rule 4: hosts moved back by what was measured of them.
+    # Rule 5: hosts moved onto the reference's clock by a measured offset, else by a bound.
     ahead: dict[str, float] = {}
     for src in sources.values():
         for domain, bound in (src.clock.ahead if src.clock else {}).items():
             ahead[domain] = max(ahead.get(domain, 0.0), bound)
+    measured = host_offsets.chosen(
+        (s.clock.domain, s.clock.measured, shifts.get(id(s), 0.0))
+        for s in sources.values()
+        if s.clock is not None and s.clock.measured is not None
+    )
+    moved = host_offsets.host_shifts(measured, ahead)
+    offsets += [
+        ClockOffset(
+            f"host {label(d)}",
+            -moved[d],
+            f"the clock of host {label(m.reference)} (measured)",
+            m.error_s,
+        )
+        for d, m in sorted(measured.items())
+    ]
     offsets += [
         ClockOffset(f"host {label(d)}", b, "the job's clock (at least: measured when it resumed)")
         for d, b in sorted(ahead.items())
-        if b > 0
+        if b > 0 and d not in measured
     ]
     domains = {src.clock.domain for src in sources.values() if src.clock is not None}
     reference = _reference_domain(sources)
-    unaligned = sorted(d for d in domains if d != reference and d not in ahead)
+    unaligned = sorted(d for d in domains if d != reference and d not in moved)
     kept: list[E] = list(loose)
     for src in sources.values():
         shift = shifts.get(id(src), 0.0)
         if src.clock is not None:
-            shift -= ahead.get(src.clock.domain, 0.0)
+            shift += moved.get(src.clock.domain, 0.0)
         if shift:
             kept += [replace(e, start=e.start + shift, end=e.end + shift) for e in src.events]
         else:

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from infra import processes, storage
-from infra.accounting import clocks
+from infra.accounting import clocks, host_offsets
 from infra.accounting.ledger_format import (
     FILE_NAME,
     MARK_NAMES,
@@ -194,7 +194,8 @@ class Ledger:
     Every time is read from ``clock`` (the process's wall clock) and, with the default
     clock, from the monotonic clock beside it (infra/accounting/clocks.py checks one against the
     other). A test's own ``clock`` writes no monotonic readings. ``clock_attrs`` go into
-    the file's first line (``clock``), beside the process's host and pid.
+    the file's first line (``clock``), beside the process's host and pid and its host's
+    measured clock offset, when one was handed in (infra/accounting/host_offsets.py).
     """
 
     def __init__(
@@ -236,7 +237,8 @@ class Ledger:
             self._uploader.start()
         # A test's clock is left alone: its readings are the test's timeline.
         at = None if self._mono is not None else 0.0
-        self.mark(Mark.CLOCK, t=at, **clocks.identity(), **(clock_attrs or {}))
+        attrs = clocks.identity() | host_offsets.clock_attrs() | (clock_attrs or {})
+        self.mark(Mark.CLOCK, t=at, **attrs)
 
     # -- writing ----------------------------------------------------------------------------
     def _write(self, line: bytes) -> None:

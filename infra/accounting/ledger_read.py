@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from infra import storage
-from infra.accounting import clocks
+from infra.accounting import clocks, host_offsets
 from infra.accounting.ledger_format import FILE_NAME, SEGMENT_NAME, Event, Mark, parse_lines
 from infra.job_layout import JobLayout
 
@@ -114,6 +114,7 @@ def _process_clock(name: str, lines: list[Event]) -> clocks.ProcessClock | None:
         domain=clocks.domain_of(attrs),
         monotonic=first.mono is not None,
         ahead={str(k): float(v) for k, v in ahead.items()} if isinstance(ahead, dict) else {},
+        measured=host_offsets.from_clock_attrs(attrs, name),
         opened=None if first.mono is None else (first.start, first.mono[0]),
     )
 
@@ -172,7 +173,7 @@ def read_ledger(layout: JobLayout) -> LedgerRead:
 def domains_ahead(layout: JobLayout, now: Callable[[], float] = clocks.wall) -> dict[str, float]:
     """Other hosts whose part of this job's ledger ends in this process's future, and how
     far their clocks run ahead at least: what an orchestrator resuming the job records in
-    its first ``clock`` line (infra/accounting/clocks.py, rule 4). This host's own earlier processes
+    its first ``clock`` line (infra/accounting/clocks.py, rule 5). This host's own earlier processes
     are aligned by its monotonic clock instead."""
     events, process_clocks, _ = _parse(read_files(layout))
     as_measured = {name: replace(c, ahead={}) for name, c in process_clocks.items()}
