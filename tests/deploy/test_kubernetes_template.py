@@ -394,7 +394,7 @@ def test_the_server_refuses_bad_job_variables(variables: dict[str, Any], reason:
 
 
 def test_no_production_module_imports_the_kubernetes_packages() -> None:
-    """prefect-kubernetes costs ~0.5 s to import; only the Kubernetes worker needs it."""
+    """prefect-kubernetes takes most of a second to import; only the Kubernetes worker needs it."""
     banned = ("prefect_kubernetes", "kubernetes_validate", "kubernetes_asyncio", "kopf")
     offenders = []
     for package in ("flows", "tasks", "trainer", "publish", "infra"):
