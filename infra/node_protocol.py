@@ -73,6 +73,7 @@ class Launch:
     env: dict[str, str] = field(default_factory=dict)  # the job's lease, and the like
     failures: int = 0  # the job's state the attempt starts from (infra/control.py JobState)
     started_at: float | None = None
+    clock: str = ""  # host:port of the orchestrator's clock server (infra/clock_sync.py)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from typing import Any
 from infra import processes, storage
 from infra.accounting import clocks
 from infra.accounting.ledger import recover_orphaned_spools
+from infra.clock_sync import measure_offset
 from infra.control import ENV_ATTEMPT, ControlDir, JobState, Progress
 from infra.job_layout import JobLayout
 from infra.node_protocol import (
@@ -176,6 +177,7 @@ class NodeRunner:
             **launch.env,
             ENV_ATTEMPT: str(launch.attempt),
         }
+        env.update(self._clock_offset(launch))
         attempt = AttemptProcess(launch.attempt, False, spec, self.log)
         control = ControlDir(spec.nproc, prefix=f"ett-a{launch.attempt}-", parent=self.scratch)
         state = JobState(launch.failures, launch.started_at)
@@ -198,6 +200,25 @@ class NodeRunner:
             launch.node_rank,
             how,
         )
+
+    def _clock_offset(self, launch: Launch) -> dict[str, str]:
+        """This host's clock offset to the orchestrator's, measured now, for the ledger of
+        every process the launch starts (infra/accounting/host_offsets.py). Unmeasured, the
+        report names this host as not aligned; training goes on."""
+        if not launch.clock:
+            return {}
+        try:
+            sample = measure_offset(launch.clock)
+        except OSError as exc:
+            self.log.warning("node run %s: clock not measured: %s", self.key, exc)
+            return {}
+        self.log.info(
+            "node run %s: clock offset to the orchestrator %+.3f s (+-%.3f s)",
+            self.key,
+            sample.offset_s,
+            sample.error_s,
+        )
+        return sample.env()
 
     def _watch_launch(self) -> None:
         attempt = self._attempt

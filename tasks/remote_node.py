@@ -26,6 +26,7 @@ from typing import Protocol
 
 from infra import storage
 from infra.accounting import clocks
+from infra.clock_sync import ClockServer
 from infra.control import Command, JobState, Progress
 from infra.node_protocol import (
     HEARTBEAT_S,
@@ -34,6 +35,7 @@ from infra.node_protocol import (
     NodeStatus,
     Order,
     OrderKind,
+    advertise_address,
     orchestrator_url,
     read_status,
     write_order,
@@ -95,10 +97,12 @@ class NodeFleet:
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, daemon=True)
         self._lock = threading.Lock()
+        self.clock: ClockServer | None = None  # what the nodes measure their clocks against
 
     # -- the fleet's life -------------------------------------------------------------------
     def start(self) -> None:
         """Start the orchestrator's heartbeat and submit every node run (spares included)."""
+        self.clock = ClockServer(advertise_address()).start()
         self._write_beat()
         self._beat.start()
         self._fill()
@@ -117,6 +121,8 @@ class NodeFleet:
         self._stop.set()
         if self._beat.is_alive():
             self._beat.join(timeout=5)
+        if self.clock is not None:
+            self.clock.close()
 
     def _alive(self, run: NodeRun) -> bool:
         self._refresh(run, force=True)
@@ -217,6 +223,7 @@ class NodeFleet:
                 env,
                 state.failures,
                 state.started_at,
+                self.clock.address if self.clock is not None else "",
             )
             seq = self.order(run, Order(0, OrderKind.LAUNCH, launch))
             nodes.append(RemoteNode(self, run, launch, seq))
