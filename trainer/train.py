@@ -4,12 +4,11 @@ Runs under torchrun (``python -m trainer.launch``, any number of processes) or a
 never imports Prefect: the orchestrator reads its exit code (infra/exit_codes.py), its ledger
 and the progress it reports on its control channel (infra/control.py).
 
-The loop, step by step: agree on a preemption (SIGTERM) and on a checkpoint chosen by the
-clock without stopping the ranks (trainer/consensus.py), let the previous checkpoint's
-staging copy finish before the weights change, run the step (an exception in it is
-recovered in process, trainer/restart.py), report progress, evaluate (in the loop, or by the
-side evaluator from the checkpoint forced at eval steps), and checkpoint when the step count
-says so (trainer/checkpoint/interval.py).
+The loop, step by step: agree on a preemption (SIGTERM) and on a checkpoint rank 0's clock
+asked for without stopping the ranks (trainer/consensus.py), let the checkpointer save what
+its schedule says (trainer/checkpoint/checkpointer.py), run the step (an exception in it is
+recovered in process, trainer/restart.py), report progress, evaluate in the loop (or not:
+the side evaluator reads the checkpoints of eval steps).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,16 +39,13 @@ from infra.lease import JobLocked, trainer_lease
 from infra.library_logs import quiet_library_dumps
 from infra.processes import die_with_parent
 from infra.settings import (
-    CheckpointMode,
     ConsensusMode,
     EvalMode,
     JobConfig,
     load_config,
     load_resolved,
 )
-from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.checkpoint.interval import FailureHistory, IntervalPolicy
-from trainer.checkpoint.state import tensor_states
+from trainer.checkpoint.interval import FailureHistory
 from trainer.consensus import StepConsensus
 from trainer.data.batch import Batch
 from trainer.data.decode import DataError
@@ -153,7 +150,8 @@ def _run_attempt(config: JobConfig, rank: int, control: RankControl | None) -> i
         if rank == 0:
             control.report(Phase.INIT)
     try:
-        code = _train(config, ledger, preemption, control)
+        parts = Initializer(config, ledger, control).run()
+        code = train(config, parts, ledger, preemption, control)
     except StandbyReleased as exc:
         log.info("%s", exc)
         code = ExitCode.SUCCESS
@@ -175,54 +173,47 @@ def _run_attempt(config: JobConfig, rank: int, control: RankControl | None) -> i
     return code
 
 
-def _train(
-    config: JobConfig, ledger: Ledger, preemption: Preemption, control: RankControl | None
+def progress_reporter(
+    control: RankControl | None, is_main: bool
+) -> Callable[[Phase, int, int, int], None]:
+    """Rank 0's progress record for the orchestrator; a no-op anywhere else."""
+    if control is None or not is_main:
+        return lambda phase, step, total, restarts: None
+    return control.report
+
+
+def train(
+    config: JobConfig,
+    parts: Components,
+    ledger: Ledger,
+    preemption: Preemption,
+    control: RankControl | None,
 ) -> int:
-    parts = Initializer(config, ledger, control).run()
+    """The loop, then the anchor checkpoint; returns the exit code."""
     env, model, optimizer, loader = parts.env, parts.model, parts.optimizer, parts.loader
     checkpointer, faults = parts.checkpointer, parts.faults
     batches, pending = parts.batches, parts.first_batch
-    report = control.report if control is not None and env.is_main else None
-    policy = IntervalPolicy(config.checkpoint, config.train.steps, ledger, failure_history(control))
-    restarter = InProcessRestart(config, env, ledger)
-    eval_mode = config.train.eval
-
-    # What a checkpoint holds: tensors for DCP, and this rank's data position. Restored in
-    # place (in-process restart), so these stay the live objects for the whole attempt.
-    checkpointer.register(
-        tensors=tensor_states(model, optimizer, env.rank), rank_state={"loader": loader}
-    )
-
-    def save(step: int) -> None:
-        t0 = time.perf_counter()
-        checkpointer.save(step)
-        policy.saved(time.perf_counter() - t0)
-
+    total, every_eval = config.train.steps, config.train.eval_every
+    eval_inline = config.train.eval == EvalMode.INLINE and every_eval > 0
+    checkpointer.start(parts.start_step, failure_history(control))
+    restarter = InProcessRestart(config, env, ledger, checkpointer)
     blocking = config.train.step_consensus == ConsensusMode.BLOCKING
     consensus = StepConsensus(env.world_size, parts.control_group, blocking)
+    report = progress_reporter(control, env.is_main)
     model_flops = record_model_flops(ledger, config, env.device, env.world_size)
     stats = LoopStats()
-    step = last_saved = parts.start_step
-    finished = step  # the last step that ran to its end: what the last report says
+    step = finished = parts.start_step  # finished: the last step that ran to its end
     try:
-        while step < config.train.steps:
-            by_clock = env.is_main and step > last_saved and policy.due_by_clock()
-            agreed = consensus.exchange(preemption.requested, by_clock)
-            if agreed.preempt:
-                return _save_on_preemption(config, checkpointer, step)
-            if agreed.checkpoint and last_saved < step < config.train.steps:
-                save(step)
-                last_saved = step
-            t0 = time.perf_counter()
-            if checkpointer.wait_until_staged():
-                policy.staged(time.perf_counter() - t0)
-            # A commit that ends during this step still slowed it: ask before, and after.
-            committing = checkpointer.commit_running
+        while step < total:
+            agreed = consensus.exchange(preemption.requested, checkpointer.due_by_clock(step))
+            if agreed.preempt:  # every rank stops here and saves, within the budget
+                saved = checkpointer.emergency_save(step)
+                return ExitCode.PREEMPTED if saved else ExitCode.EMERGENCY_SAVE_FAILED
+            checkpointer.maybe_save(step, agreed.checkpoint)
             step += 1
             try:
                 faults.at_step(step)
                 with ledger.span(Span.TRAIN_STEP, step=step) as attrs:
-                    t0 = time.perf_counter()
                     batch = pending if pending is not None else next(batches)
                     pending = None
                     loss = train_step(model, optimizer, batch, env.device)
@@ -231,42 +222,29 @@ def _train(
             except (DataError, StandbyReleased):
                 raise
             except Exception as exc:  # noqa: BLE001 - recovered in place, or re-raised
-                resume = restarter.recover(exc, step, model, optimizer, loader, checkpointer)
-                step, batches, pending = resume.step, iter(loader), None
-                last_saved = finished = step
-                policy.failures_seen(policy.history.after_failure(time.time()))
-                if report is not None:  # the orchestrator counts it for the next attempts
-                    report(Phase.TRAINING, step, config.train.steps, restarter.restarts)
+                step = finished = restarter.recover(exc, step)
+                batches, pending = iter(loader), None
+                report(Phase.TRAINING, step, total, restarter.restarts)  # counted by the next
                 continue
             finished = step
-            committing = committing or checkpointer.commit_running
-            policy.step_done(time.perf_counter() - t0, committing)
+            checkpointer.step_done()
             stats.add(loss, len(batch))
-            if report is not None:
-                report(Phase.TRAINING, step, config.train.steps, restarter.restarts)
+            report(Phase.TRAINING, step, total, restarter.restarts)
             if step % config.train.log_every == 0 and env.is_main:
                 mean_loss, rate = stats.take()
                 log.info(
                     "step %d/%d loss %.4f %.0f examples/s",
                     step,
-                    config.train.steps,
+                    total,
                     mean_loss,
                     rate * env.world_size,
                 )
-            every = config.train.eval_every
-            eval_step = eval_mode != EvalMode.OFF and every > 0 and step % every == 0
-            if eval_step and eval_mode == EvalMode.INLINE:
+            if eval_inline and step % every_eval == 0:  # else the side evaluator, if any
                 _evaluate(parts, ledger, stats, step)
-            # Async eval: the side evaluator reads the checkpoint of every eval step.
-            due = policy.due_at(step) or (eval_step and eval_mode == EvalMode.ASYNC)
-            if due and step < config.train.steps and config.checkpoint.mode != CheckpointMode.OFF:
-                save(step)
-                last_saved = step
-        return _shutdown(config, parts, ledger, stats, step, eval_mode)
+        return _shutdown(config, parts, ledger, stats, step)
     finally:
         checkpointer.close()
-        if report is not None:  # never the step that failed: it did not happen
-            report(Phase.DONE, finished, config.train.steps, restarter.restarts)
+        report(Phase.DONE, finished, total, restarter.restarts)  # never the step that failed
 
 
 def _evaluate(parts: Components, ledger: Ledger, stats: LoopStats, step: int) -> None:
@@ -274,36 +252,28 @@ def _evaluate(parts: Components, ledger: Ledger, stats: LoopStats, step: int) ->
     with ledger.span(Span.EVAL, step=step) as attrs:
         stats.last_eval = evaluate(parts.model, parts.holdout, env.device, env.cpu_group)
         attrs.update(stats.last_eval)
-    if parts.env.is_main:
+    if env.is_main:
         log.info("step %d holdout %s", step, _fmt(stats.last_eval))
 
 
 def _shutdown(
-    config: JobConfig,
-    parts: Components,
-    ledger: Ledger,
-    stats: LoopStats,
-    step: int,
-    eval_mode: EvalMode,
+    config: JobConfig, parts: Components, ledger: Ledger, stats: LoopStats, step: int
 ) -> int:
     """The anchor checkpoint (and, in the loop's eval mode, the final evaluation)."""
     env, checkpointer = parts.env, parts.checkpointer
     with ledger.span(Span.SHUTDOWN, step=step):
         just_evaluated = stats.last_eval and step % max(config.train.eval_every, 1) == 0
-        if eval_mode == EvalMode.INLINE and not just_evaluated:
+        if config.train.eval == EvalMode.INLINE and not just_evaluated:
             stats.last_eval = evaluate(parts.model, parts.holdout, env.device, env.cpu_group)
-        # Else the anchor was saved already.
-        if config.checkpoint.mode != CheckpointMode.OFF and step > parts.start_step:
-            checkpointer.save(step, anchor=True)
+        anchored = checkpointer.save_anchor(step)
         checkpointer.close()
-        anchor_failed = step in checkpointer.failed_steps
         if env.is_main:
             log.info("final loader %s", parts.loader.stats)
             if stats.last_eval:
                 log.info("final holdout %s", _fmt(stats.last_eval))
                 _write_final_metrics(config, step, stats.last_eval, parts.loader.stats)
         dist.barrier(group=parts.control_group)
-    if anchor_failed:  # the model of this job is not saved: let the orchestrator retry
+    if not anchored:  # the model of this job is not saved: let the orchestrator retry
         log.error(
             "the anchor checkpoint at step %d did not commit; exiting %d so the attempt is "
             "retried from the newest committed checkpoint",
@@ -324,12 +294,6 @@ def _write_final_metrics(
         storage.write_text(url, json.dumps(summary, indent=2))
     except OSError as exc:  # a summary: never worth failing the job over
         log.error("could not write %s: %s", url, exc)
-
-
-def _save_on_preemption(config: JobConfig, checkpointer: Checkpointer, step: int) -> int:
-    """Preempted: the whole save within the budget (trainer/checkpoint/checkpointer.py)."""
-    saved = checkpointer.emergency_save(step, config.checkpoint.preemption_budget_s)
-    return ExitCode.PREEMPTED if saved else ExitCode.EMERGENCY_SAVE_FAILED
 
 
 def _fmt(metrics: dict[str, float]) -> str:
