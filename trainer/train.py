@@ -1,26 +1,28 @@
-"""The training driver: init stages, the loop, evaluation and shutdown, each a ledger span.
+"""The training driver: one attempt of a job on one rank, read top to bottom.
 
-Runs under torchrun (``python -m trainer.launch``, any number of processes) or alone, and
-never imports Prefect: the orchestrator reads its exit code (infra/exit_codes.py), its ledger
-and the progress it reports on its control channel (infra/control.py).
+``main``: parse the config, build the parts (trainer/init_stages.py), train, close. Every
+failure the attempt cannot train past ends in one place, ``EXIT_CODES``: the orchestrator
+classifies the attempt from the exit code alone (infra/exit_codes.py), and learns the rest
+from the ledger and the progress rank 0 reports on its control channel (infra/control.py).
+Runs under torchrun (``python -m trainer.launch``) or alone, and never imports Prefect.
 
-The loop, step by step: agree on a preemption (SIGTERM) and on a checkpoint rank 0's clock
-asked for without stopping the ranks (trainer/consensus.py), let the checkpointer save what
-its schedule says (trainer/checkpoint/checkpointer.py), run the step (an exception in it is
-recovered in process, trainer/restart.py), report progress, evaluate in the loop (or not:
-the side evaluator reads the checkpoints of eval steps).
+``train``: the loop. Each step boundary the ranks agree, without stopping, on a preemption
+(SIGTERM) and on a checkpoint rank 0's clock asked for (trainer/consensus.py); the
+checkpointer decides what to save and when (trainer/checkpoint/checkpointer.py); an
+exception in a step is recovered in process (trainer/restart.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,13 +40,7 @@ from infra.job_layout import JobLayout
 from infra.lease import JobLocked, trainer_lease
 from infra.library_logs import quiet_library_dumps
 from infra.processes import die_with_parent
-from infra.settings import (
-    ConsensusMode,
-    EvalMode,
-    JobConfig,
-    load_config,
-    load_resolved,
-)
+from infra.settings import ConsensusMode, EvalMode, JobConfig, load_config, load_resolved
 from trainer.checkpoint.interval import FailureHistory
 from trainer.consensus import StepConsensus
 from trainer.data.batch import Batch
@@ -56,6 +52,23 @@ from trainer.model import batch_to_kjts
 from trainer.restart import InProcessRestart
 
 log = logging.getLogger("trainer")
+
+# What the attempt exits with when one of these ends it, and how the log line starts.
+EXIT_CODES: dict[type[Exception], tuple[ExitCode, str]] = {
+    StandbyReleased: (ExitCode.SUCCESS, "not promoted"),  # the job needed no standby
+    ConfigError: (ExitCode.USAGE, "bad config"),
+    JobLocked: (ExitCode.JOB_LOCKED, "job locked"),  # another live job holds this job id
+    CheckpointError: (ExitCode.CHECKPOINT_INCOMPATIBLE, "cannot resume"),  # no relaunch helps
+    DataError: (ExitCode.BAD_DATA, "bad data"),
+    storage.StorageError: (ExitCode.STORAGE_UNAVAILABLE, "storage unavailable"),  # retries spent
+}
+
+
+def exit_code_of(exc: Exception) -> ExitCode:
+    """The exit code ``EXIT_CODES`` gives ``exc`` (its nearest class there), said in the log."""
+    code, what = next(EXIT_CODES[t] for t in type(exc).__mro__ if t in EXIT_CODES)
+    (log.info if code == ExitCode.SUCCESS else log.error)("%s: %s", what, exc)
+    return code
 
 
 @dataclass
@@ -96,6 +109,83 @@ class LoopStats:
         return out
 
 
+def main(argv: list[str] | None = None) -> int:
+    """A rank's process: parse, build, train, close. It never outlives its launcher, and
+    its exit code is what the orchestrator learns of how it ended."""
+    die_with_parent()
+    try:
+        control = RankControl.from_env(int(os.environ.get("LOCAL_RANK", "0")))
+    except FileNotFoundError as exc:  # the orchestrator ended this attempt before it started
+        log.warning("not started: the control channel is gone (%s)", exc.filename)
+        return ExitCode.SUCCESS if os.environ.get(ENV_STANDBY) == "1" else ExitCode.PREEMPTED
+    code: int = ExitCode.CRASH  # anything not in EXIT_CODES: the exception goes on up
+    ledger: Ledger | None = None
+    try:
+        config = parse(argv)
+        with attempt(config, control) as (ledger, preemption):
+            parts = Initializer(config, ledger, control).run()
+            code = train(config, parts, ledger, preemption, control)
+    except tuple(EXIT_CODES) as exc:
+        code = exit_code_of(exc)
+    finally:
+        code = close(code, ledger, control)
+    return code
+
+
+def parse(argv: list[str] | None) -> JobConfig:
+    """The command line and the job config; logging set up for this rank."""
+    parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
+    parser.add_argument("--config", help="job config (YAML/TOML); embedded defaults if omitted")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s [rank{os.environ.get('RANK', '0')}] %(name)s: %(message)s",
+        stream=sys.stdout,
+        force=True,  # an imported library may have configured logging already
+    )
+    quiet_library_dumps()  # TorchRec's planner report, FBGEMM's table dumps: DEBUG
+    # The launcher resolved the config (parameters > ETT_* > file): it is final here.
+    return load_resolved(args.config) if args.config else load_config()
+
+
+@contextlib.contextmanager
+def attempt(config: JobConfig, control: RankControl | None) -> Iterator[tuple[Ledger, Preemption]]:
+    """What the attempt holds open on this rank: the job's lease, its ledger, the SIGTERM
+    flag and the orchestrator's lifeline; the ledger is stored and the process group
+    destroyed on the way out, whatever ended the attempt."""
+    storage.configure(config.storage)
+    rank = int(os.environ.get("RANK", "0"))
+    with trainer_lease(config.layout, rank):  # one job id, one job (infra/lease.py)
+        recover_orphaned_spools(config.layout)  # ledger events of killed attempts on this node
+        ledger = Ledger(config.layout, attempt=attempt_number(config.layout, rank), rank=rank)
+        ledger.mark(Mark.ATTEMPT_START, pid=os.getpid(), standby=bool(control and control.standby))
+        preemption = Preemption()
+        preemption.install()
+        if control is not None:  # the orchestrator died: stop as if preempted (checkpoint, exit)
+            control.start(on_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))
+            if rank == 0:
+                control.report(Phase.INIT)
+        try:
+            yield ledger, preemption
+        finally:
+            ledger.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def close(code: int, ledger: Ledger | None, control: RankControl | None) -> int:
+    """The exit code, told to the orchestrator: a job that trained but whose accounting is
+    not stored is not a success."""
+    if ledger is not None and not ledger.close() and code == ExitCode.SUCCESS:
+        log.error(
+            "the ETT ledger %s was not stored; exiting %d", ledger.url, ExitCode.LEDGER_NOT_SAVED
+        )
+        code = ExitCode.LEDGER_NOT_SAVED
+    if control is not None:
+        control.record_exit(code)
+    return code
+
+
 def attempt_number(layout: JobLayout, rank: int) -> int:
     """The attempt number: ETT_ATTEMPT from the orchestrator, else one past this rank's
     previous trainer ledgers (each rank counts its own files, so all ranks agree)."""
@@ -111,6 +201,15 @@ def failure_history(control: RankControl | None) -> FailureHistory:
     return FailureHistory(state.failures, state.started_at)
 
 
+def progress_reporter(
+    control: RankControl | None, is_main: bool
+) -> Callable[[Phase, int, int, int], None]:
+    """Rank 0's progress record for the orchestrator; a no-op anywhere else."""
+    if control is None or not is_main:
+        return lambda phase, step, total, restarts: None
+    return control.report
+
+
 def train_step(model: torch.nn.Module, optimizer: Any, batch: Batch, device: torch.device) -> float:
     """One forward/backward/update; sparse tables are updated inside backward (fused)."""
     batch = batch.to(device, non_blocking=True)
@@ -121,65 +220,6 @@ def train_step(model: torch.nn.Module, optimizer: Any, batch: Batch, device: tor
     loss.backward()
     optimizer.step()
     return float(loss.detach())
-
-
-def run(config: JobConfig, control: RankControl | None = None) -> int:
-    """Train one attempt of the job; returns the process exit code."""
-    storage.configure(config.storage)
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        with trainer_lease(config.layout, rank):  # one job id, one job (infra/lease.py)
-            return _run_attempt(config, rank, control)
-    except JobLocked as exc:
-        log.error("%s", exc)
-        return ExitCode.JOB_LOCKED
-    except storage.StorageError as exc:  # retries spent: relaunch later
-        log.error("storage unavailable: %s", exc)
-        return ExitCode.STORAGE_UNAVAILABLE
-
-
-def _run_attempt(config: JobConfig, rank: int, control: RankControl | None) -> int:
-    recover_orphaned_spools(config.layout)  # ledger events of killed attempts on this node
-    attempt = attempt_number(config.layout, rank)
-    ledger = Ledger(config.layout, attempt=attempt, rank=rank)
-    ledger.mark(Mark.ATTEMPT_START, pid=os.getpid(), standby=bool(control and control.standby))
-    preemption = Preemption()
-    preemption.install()
-    if control is not None:  # the orchestrator died: stop as if preempted (checkpoint, exit)
-        control.start(on_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))
-        if rank == 0:
-            control.report(Phase.INIT)
-    try:
-        parts = Initializer(config, ledger, control).run()
-        code = train(config, parts, ledger, preemption, control)
-    except StandbyReleased as exc:
-        log.info("%s", exc)
-        code = ExitCode.SUCCESS
-    except CheckpointError as exc:  # corrupt or incompatible: relaunching cannot help
-        log.error("cannot resume: %s", exc)
-        code = ExitCode.CHECKPOINT_INCOMPATIBLE
-    except DataError as exc:
-        log.error("bad data: %s", exc)
-        code = ExitCode.BAD_DATA
-    finally:
-        ledger_saved = ledger.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    if not ledger_saved and code == ExitCode.SUCCESS:  # trained, but its accounting is not stored
-        log.error(
-            "the ETT ledger %s was not stored; exiting %d", ledger.url, ExitCode.LEDGER_NOT_SAVED
-        )
-        return ExitCode.LEDGER_NOT_SAVED
-    return code
-
-
-def progress_reporter(
-    control: RankControl | None, is_main: bool
-) -> Callable[[Phase, int, int, int], None]:
-    """Rank 0's progress record for the orchestrator; a no-op anywhere else."""
-    if control is None or not is_main:
-        return lambda phase, step, total, restarts: None
-    return control.report
 
 
 def train(
@@ -298,41 +338,3 @@ def _write_final_metrics(
 
 def _fmt(metrics: dict[str, float]) -> str:
     return " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
-
-
-def main(argv: list[str] | None = None) -> int:
-    """A rank's process: never outlives its launcher, tells the orchestrator its exit code."""
-    die_with_parent()
-    try:
-        control = RankControl.from_env(int(os.environ.get("LOCAL_RANK", "0")))
-    except FileNotFoundError as exc:  # the orchestrator ended this attempt before it started
-        log.warning("not started: the control channel is gone (%s)", exc.filename)
-        return ExitCode.SUCCESS if os.environ.get(ENV_STANDBY) == "1" else ExitCode.PREEMPTED
-    code: int = ExitCode.CRASH
-    try:
-        code = _main(argv, control)
-        return code
-    finally:
-        if control is not None:
-            control.record_exit(code)
-
-
-def _main(argv: list[str] | None, control: RankControl | None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
-    parser.add_argument("--config", help="job config (YAML/TOML); embedded defaults if omitted")
-    args = parser.parse_args(argv)
-    rank = os.environ.get("RANK", "0")
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s [rank{rank}] %(name)s: %(message)s",
-        stream=sys.stdout,
-        force=True,  # an imported library may have configured logging already
-    )
-    quiet_library_dumps()  # TorchRec's planner report, FBGEMM's table dumps: DEBUG
-    try:
-        # The launcher resolved the config (parameters > ETT_* > file): it is final here.
-        config = load_resolved(args.config) if args.config else load_config()
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return ExitCode.USAGE
-    return run(config, control)
