@@ -246,10 +246,10 @@ def train(
     try:
         while step < total:
             agreed = consensus.exchange(preemption.requested, checkpointer.due_by_clock(step))
+            checkpointer.maybe_save(step, agreed)
             if agreed.preempt:  # every rank stops here and saves, within the budget
                 saved = checkpointer.emergency_save(step)
                 return ExitCode.PREEMPTED if saved else ExitCode.EMERGENCY_SAVE_FAILED
-            checkpointer.maybe_save(step, agreed.checkpoint)
             step += 1
             try:
                 faults.at_step(step)

@@ -2,9 +2,9 @@
 
 As torchtitan's ``CheckpointManager``, it is given its state once (``register``: named
 objects with ``state_dict``/``load_state_dict``, state.py) and owns its policy: the loop
-tells it where it is (``maybe_save`` before each step, ``step_done`` after) and it decides
-which steps to save (schedule.py), measures what they cost (interval.py) and restores into
-the same states (``restore``, resume.py).
+tells it where it is and what the ranks agreed (``maybe_save`` at each step boundary,
+``step_done`` after each step) and it decides which steps to save (schedule.py), measures
+what they cost (interval.py) and restores into the same states (``restore``, resume.py).
 
 Modes (``checkpoint.mode``) decide how long the loop blocks:
   sync          dcp.save: the loop waits for the whole write (the baseline).
@@ -45,6 +45,7 @@ from trainer.checkpoint.resume import RestoreKind, Resume, restore_states
 from trainer.checkpoint.schedule import SaveSchedule
 from trainer.checkpoint.staging import ShardedStateStager, Staging
 from trainer.checkpoint.state import CheckpointStates, Stateful
+from trainer.consensus import Agreed
 
 
 @dataclass
@@ -135,15 +136,20 @@ class Checkpointer:
         """This rank's flag for the per-step consensus: rank 0's clock asks for a save."""
         return self._started().by_clock(step)
 
-    def maybe_save(self, step: int, agreed_by_clock: bool) -> None:
-        """At the step boundary after ``step``, before the weights change: save when the
-        schedule says so (``agreed_by_clock``: every rank agreed to rank 0's clock flag),
-        then wait for the staging copy. Starts timing the next step."""
+    def maybe_save(self, step: int, agreed: Agreed) -> None:
+        """At the step boundary after ``step``, with what every rank ``agreed`` on: save
+        when the schedule says so (by step count and at eval steps on every rank alike, by
+        the clock once every rank agreed to rank 0's flag), then wait for the staging copy
+        before the weights change, and start timing the next step. Ranks that agreed to stop
+        take no clock-chosen save and do not wait: the save on SIGTERM follows, at this
+        step, and waits for everything within its budget."""
         schedule = self._started()
-        if schedule.due(step, agreed_by_clock):
+        if schedule.due(step, agreed.checkpoint and not agreed.preempt):
             began = time.perf_counter()
             self.save(step)
             schedule.saved(step, time.perf_counter() - began)
+        if agreed.preempt:
+            return
         began = time.perf_counter()
         if self.wait_until_staged():
             schedule.interval.staged(time.perf_counter() - began)

@@ -22,6 +22,7 @@ from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.interval import FailureHistory
 from trainer.checkpoint.schedule import SaveSchedule
 from trainer.checkpoint.state import RankState
+from trainer.consensus import Agreed
 
 TOTAL = 20
 
@@ -138,7 +139,7 @@ def test_the_checkpointer_saves_what_its_schedule_says(
     tmp_path: Path, group: dist.ProcessGroup
 ) -> None:
     """The real Checkpointer as the loop drives it: ``maybe_save`` at each step boundary
-    (with the agreed clock flag), ``step_done`` after each step."""
+    with what the ranks agreed, ``step_done`` after each step."""
     config = load_config(
         job_id="schedule",
         storage={"root": f"file://{tmp_path}/store"},
@@ -153,9 +154,9 @@ def test_the_checkpointer_saves_what_its_schedule_says(
     ckpt.start(0, FailureHistory())
     try:
         for step in range(10):
-            ckpt.maybe_save(step, agreed_by_clock=step == 7)
+            ckpt.maybe_save(step, Agreed(checkpoint=step == 7))
             ckpt.step_done()
-        ckpt.maybe_save(9, agreed_by_clock=True)  # the same boundary again: not saved twice
+        ckpt.maybe_save(9, Agreed(checkpoint=True))  # the same boundary again: not saved twice
     finally:
         ckpt.close()
         ledger.close()
@@ -163,3 +164,28 @@ def test_the_checkpointer_saves_what_its_schedule_says(
     assert sorted(c.step for c in committed_checkpoints(config.layout)) == expected
     blocking = [e.step for e in read_events(layout) if e.name == Span.CHECKPOINT_BLOCKING]
     assert blocking == expected
+
+
+def test_ranks_that_agreed_to_stop_keep_the_counts_save_not_the_clocks(
+    tmp_path: Path, group: dist.ProcessGroup
+) -> None:
+    """The save on SIGTERM follows at the same step: it finds the count's save there (and
+    waits for it), and takes the step the clock asked for itself."""
+    config = load_config(
+        job_id="stopping",
+        storage={"root": f"file://{tmp_path}/store"},
+        train={"steps": 10, "eval": "off"},
+        checkpoint={"mode": "sync", "every_steps": 3},
+    )
+    storage.configure(config.storage)
+    ledger = Ledger(JobLayout.at(f"file://{tmp_path}/ledger"))
+    ckpt = Checkpointer(config, 0, 1, ledger, process_group=group)
+    ckpt.register({"model": HeldState({"w": torch.ones(2)}), "loader": RankState(HeldState({}))})
+    ckpt.start(0, FailureHistory())
+    try:
+        ckpt.maybe_save(1, Agreed(preempt=True, checkpoint=True))
+        ckpt.maybe_save(3, Agreed(preempt=True))
+    finally:
+        ckpt.close()
+        ledger.close()
+    assert [c.step for c in committed_checkpoints(config.layout)] == [3]
