@@ -67,6 +67,7 @@ from infra.devstack import servers  # noqa: E402
 from infra.settings import JobConfig, load_config  # noqa: E402
 from tests.factories import HeldState  # noqa: E402
 from trainer.checkpoint.checkpointer import Checkpointer  # noqa: E402
+from trainer.checkpoint.state import RankState  # noqa: E402
 
 MODES = ("sync", "async", "async_staged")
 TENSORS = 4  # the state: this many equal fp32 tensors of shape (rows, 1024)
@@ -168,10 +169,8 @@ def bench_mode(
     ledger = Ledger(JobLayout.at(f"file://{scratch}/ledgers/{job_id}"))  # never on the target
     ckpt = Checkpointer(config, rank=0, world_size=1, ledger=ledger, process_group=pg)
     position = HeldState({})
-    ckpt.register(
-        tensors={key: HeldState(part) for key, part in state.items()},
-        rank_state={"loader": position},
-    )
+    tensors = {key: HeldState(part) for key, part in state.items()}
+    ckpt.register({**tensors, "loader": RankState(position)})
     blocking, commit, raw = [], [], []
     try:
         for step in range(1, reps + 2):

@@ -132,13 +132,13 @@ BREAKS = (
     Break(
         "B6",
         "manifest written before the upload",
-        "trainer/checkpoint/checkpointer.py",
+        "trainer/checkpoint/commit.py",
         (
             (
                 "            if self.remote:\n"
                 "                for name, path in files:\n"
                 "                    storage.put_file(path, storage.join(url, name))\n"
-                '            self.on_phase("uploaded", step)\n',
+                "            self.on_phase(CheckpointPhase.UPLOADED, step)\n",
                 "",
             ),
             (
@@ -189,8 +189,9 @@ BREAKS = (
         "trainer/init_stages.py",
         (
             (
-                "    S.RESTORE: (S.TRAIN_MODULE_CREATION, S.INIT_PLUGINS, S.PROMOTION),\n",
-                "    S.RESTORE: (S.TRAIN_MODULE_CREATION, S.INIT_PLUGINS),\n",
+                "    S.RESTORE: (S.PREPROC_CREATION, S.TRAIN_MODULE_CREATION, S.INIT_PLUGINS, "
+                "S.PROMOTION),\n",
+                "    S.RESTORE: (S.PREPROC_CREATION, S.TRAIN_MODULE_CREATION, S.INIT_PLUGINS),\n",
             ),
         ),
         RECOVERY_TESTS,
@@ -205,8 +206,8 @@ BREAKS = (
     Break(
         "B12",
         "an in-process restart leaves the data loader where the failed step left it",
-        "trainer/restart.py",
-        (("        loader.load_state_dict(resume.loader or START_POSITION)\n", ""),),
+        "trainer/checkpoint/checkpointer.py",
+        (("            states.load_rank_state(resume.rank_state or {})\n", ""),),
         (*RECOVERY_TESTS, "tests/trainer/test_run_options.py"),
     ),
     Break(
@@ -226,7 +227,7 @@ BREAKS = (
     Break(
         "B14",
         "a commit's retention is not told which checkpoint was just committed",
-        "trainer/checkpoint/checkpointer.py",
+        "trainer/checkpoint/commit.py",
         (("                keep=url,\n", ""),),
         CHECKPOINT_TESTS,
     ),
@@ -290,7 +291,7 @@ BREAKS = (
     Break(
         "B23",
         "a resume does not record the newer checkpoints it skipped",
-        "trainer/resume.py",
+        "trainer/checkpoint/resume.py",
         (
             (
                 "    skipped = [s.to_json() for s in restored.skipped]\n",

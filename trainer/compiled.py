@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from infra.accounting.ledger import Ledger
+from infra.accounting.ledger_format import Mark
 from infra.settings import JobConfig
 from trainer.model import DenseInteraction
 
@@ -219,7 +220,7 @@ class RecompileWatcher(logging.Handler):
             where = lines[0].removeprefix("Recompiling function ") if lines else ""
             self.count[self.phase] = self.count.get(self.phase, 0) + 1
             self.ledger.mark(
-                "recompile",
+                Mark.RECOMPILE,
                 phase=self.phase,
                 function=where[:200],
                 reason="; ".join(reasons)[:1000],

@@ -12,6 +12,7 @@ import signal
 import time
 
 from infra.settings import FaultConfig
+from trainer.checkpoint.commit import CheckpointPhase
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +22,10 @@ class InjectedCrash(RuntimeError):
 
 
 # Faults that fire inside the checkpoint of their step, at the named phase.
-CHECKPOINT_PHASES = {"sigkill_mid_upload": "written", "sigkill_before_manifest": "before_manifest"}
+CHECKPOINT_PHASES = {
+    "sigkill_mid_upload": CheckpointPhase.WRITTEN,
+    "sigkill_before_manifest": CheckpointPhase.BEFORE_MANIFEST,
+}
 
 
 class FaultInjector:

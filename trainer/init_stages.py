@@ -4,10 +4,14 @@ The stages form a small dependency graph (``STAGE_DEPS``). With ``train.parallel
 stage runs on its own thread once the stages it needs are done (spans overlap; the ETT
 report's InitBreakdown finds the critical path); otherwise they run one after another::
 
-    device_init ─► process_group_init ─┬─► preproc_creation ─────────────► get_first_batch_data
-                                       ├─► train_module_creation ─┬─► restore
+    device_init ─► process_group_init ─┬─► preproc_creation ──────┬──────► get_first_batch_data
+                                       ├─► train_module_creation ─┼─► restore
                                        └─► init_plugins ──────────┘
                ─► compile_cache_load ─► compile (warm-up on a fast batch)
+
+``restore`` registers what a checkpoint holds with the checkpointer (model, optimizer, RNG,
+the loader's position) and loads into it, so it waits for the loader to exist; it loads the
+tensors only, the loader's position is ``get_first_batch_data``'s.
 
 **Warm standby.** A standby attempt (``ETT_STANDBY=1``, started by the orchestrator while
 another attempt trains) runs every stage that does not depend on the job's progress, then
@@ -47,13 +51,14 @@ from infra.control import Command, Phase, RankControl
 from infra.settings import EvalMode, JobConfig
 from trainer import compile_cache, compiled
 from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.resume import RestoreKind, Resume, peek_resume
+from trainer.checkpoint.state import train_states
 from trainer.data.balance import make_balancer
 from trainer.data.batch import Batch
 from trainer.data.loader import START_POSITION, TrainLoader
 from trainer.data.sequential import holdout_batches
 from trainer.distributed import DistEnv, build_train_module, init_process_group, select_device
 from trainer.faults import FaultInjector
-from trainer.resume import Resume, peek_resume, restore_model
 from trainer.stage_graph import Stage, run_stages
 
 log = logging.getLogger(__name__)
@@ -84,7 +89,7 @@ STAGE_DEPS: dict[InitStage, tuple[InitStage, ...]] = {
     S.COMPILE_CACHE_LOAD: (S.DEVICE_INIT,),
     S.COMPILE: (S.COMPILE_CACHE_LOAD,),
     S.PROMOTION: (),
-    S.RESTORE: (S.TRAIN_MODULE_CREATION, S.INIT_PLUGINS, S.PROMOTION),
+    S.RESTORE: (S.PREPROC_CREATION, S.TRAIN_MODULE_CREATION, S.INIT_PLUGINS, S.PROMOTION),
     S.GET_FIRST_BATCH_DATA: (S.PREPROC_CREATION, S.PROMOTION),
 }
 # Stages recorded as a ``pre_train`` span with a ``stage`` attr; the gate has no span.
@@ -327,20 +332,19 @@ class Initializer:
             log.info("standby attempt %d promoted", self.ledger.attempt)
 
     def restore(self, attrs: dict[str, Any]) -> None:
-        self.resume = restore_model(
-            self.config,
-            self.env,
-            self.model,
-            self.optimizer,
-            self.ledger,
-            self.checkpoint_group,
-            promoted=self.promoted,
-        )
+        # What every checkpoint of this attempt holds, registered once: the live objects,
+        # loaded in place here and by an in-process restart (trainer/restart.py).
+        states = train_states(self.model, self.optimizer, self.loader, self.env.rank)
+        self.checkpointer.register(states)
+        how = RestoreKind.PROMOTED if self.promoted else RestoreKind.COLD
+        self.resume = self.checkpointer.restore(how)
         attrs["resumed_from_step"] = self.resume.step
 
     def get_first_batch_data(self, attrs: dict[str, Any]) -> None:
         # Serial: restore already ran. Parallel: peek at the checkpoint it will pick.
-        guess = getattr(self, "resume", None) or peek_resume(self.config, self.env)
+        guess = getattr(self, "resume", None)
+        if guess is None:
+            guess = peek_resume(self.config, self.env.rank, self.env.world_size)
         if guess is not None and guess.loader is not None:
             self.loader.load_state_dict(guess.loader)
         self.guess = guess

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
-from typing import Any
 
 import torch.distributed as dist
 
@@ -30,9 +29,8 @@ from infra.accounting.ledger import Ledger
 from infra.accounting.ledger_format import Mark
 from infra.settings import JobConfig
 from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.data.loader import START_POSITION, TrainLoader
+from trainer.checkpoint.resume import RestoreKind
 from trainer.distributed import DistEnv
-from trainer.resume import Resume, restore_model
 
 log = logging.getLogger(__name__)
 
@@ -40,22 +38,19 @@ log = logging.getLogger(__name__)
 class InProcessRestart:
     """Owns the decision and the mechanics; one per attempt."""
 
-    def __init__(self, config: JobConfig, env: DistEnv, ledger: Ledger) -> None:
+    def __init__(
+        self, config: JobConfig, env: DistEnv, ledger: Ledger, checkpointer: Checkpointer
+    ) -> None:
         self.config, self.env, self.ledger = config, env, ledger
+        self.checkpointer = checkpointer
         self.generation = 0  # agreements started (the store keys' namespace)
         self.restarts = 0  # exceptions recovered from: failures the attempt survived
         self.last: float | None = None
 
-    def recover(
-        self,
-        exc: BaseException,
-        failed_step: int,
-        model: Any,
-        optimizer: Any,
-        loader: TrainLoader,
-        checkpointer: Checkpointer,
-    ) -> Resume:
-        """Restore the newest committed state in place; re-raises ``exc`` to escalate."""
+    def recover(self, exc: BaseException, failed_step: int) -> int:
+        """Restore the newest committed state in place (model, optimizer, RNG and the data
+        position: every state the checkpointer saves); returns the step training goes on
+        from. Re-raises ``exc`` to escalate."""
         rec = self.config.recovery
         now, failed_at = time.time(), self.ledger.clock()
         if not rec.in_process_restart:
@@ -74,13 +69,11 @@ class InProcessRestart:
             raise exc
         self.last = now
         try:
-            checkpointer.wait_for_inflight(timeout_s=rec.agree_timeout_s)
+            self.checkpointer.wait_for_inflight(timeout_s=rec.agree_timeout_s)
         except TimeoutError:
             log.error("the in-flight checkpoint is still uploading: failing the attempt")
             raise exc from None
-        resume = restore_model(
-            self.config, self.env, model, optimizer, self.ledger, checkpointer.pg, in_process=True
-        )
+        resume = self.checkpointer.restore(RestoreKind.IN_PROCESS)
         if resume.url is None:
             log.error("nothing committed to restore in process: failing the attempt")
             raise exc
@@ -92,9 +85,8 @@ class InProcessRestart:
             t=failed_at,
             error=f"{type(exc).__name__}: {exc}"[:300],
         )
-        loader.load_state_dict(resume.loader or START_POSITION)
         self.restarts += 1
-        return resume
+        return resume.step
 
     def _agree(self, timeout_s: float) -> bool:
         """Every rank writes its key to the job's store and waits for all the others'."""

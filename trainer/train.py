@@ -1,26 +1,28 @@
-"""The training driver: init stages, the loop, evaluation and shutdown, each a ledger span.
+"""The training driver: one attempt of a job on one rank, read top to bottom.
 
-Runs under torchrun (``python -m trainer.launch``, any number of processes) or alone, and
-never imports Prefect: the orchestrator reads its exit code (infra/exit_codes.py), its ledger
-and the progress it reports on its control channel (infra/control.py).
+``main``: parse the config, build the parts (trainer/init_stages.py), train, close. Every
+failure the attempt cannot train past ends in one place, ``EXIT_CODES``: the orchestrator
+classifies the attempt from the exit code alone (infra/exit_codes.py), and learns the rest
+from the ledger and the progress rank 0 reports on its control channel (infra/control.py).
+Runs under torchrun (``python -m trainer.launch``) or alone, and never imports Prefect.
 
-The loop, step by step: agree on a preemption (SIGTERM) and on a checkpoint chosen by the
-clock without stopping the ranks (trainer/consensus.py), let the previous checkpoint's
-staging copy finish before the weights change, run the step (an exception in it is
-recovered in process, trainer/restart.py), report progress, evaluate (in the loop, or by the
-side evaluator from the checkpoint forced at eval steps), and checkpoint when the step count
-says so (trainer/checkpoint/interval.py).
+``train``: the loop. Each step boundary the ranks agree, without stopping, on a preemption
+(SIGTERM) and on a checkpoint rank 0's clock asked for (trainer/consensus.py); the
+checkpointer decides what to save and when (trainer/checkpoint/checkpointer.py); an
+exception in a step is recovered in process (trainer/restart.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,17 +40,8 @@ from infra.job_layout import JobLayout
 from infra.lease import JobLocked, trainer_lease
 from infra.library_logs import quiet_library_dumps
 from infra.processes import die_with_parent
-from infra.settings import (
-    CheckpointMode,
-    ConsensusMode,
-    EvalMode,
-    JobConfig,
-    load_config,
-    load_resolved,
-)
-from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.checkpoint.interval import FailureHistory, IntervalPolicy
-from trainer.checkpoint.state import tensor_states
+from infra.settings import ConsensusMode, EvalMode, JobConfig, load_config, load_resolved
+from trainer.checkpoint.interval import FailureHistory
 from trainer.consensus import StepConsensus
 from trainer.data.batch import Batch
 from trainer.data.decode import DataError
@@ -59,6 +52,23 @@ from trainer.model import batch_to_kjts
 from trainer.restart import InProcessRestart
 
 log = logging.getLogger("trainer")
+
+# What the attempt exits with when one of these ends it, and how the log line starts.
+EXIT_CODES: dict[type[Exception], tuple[ExitCode, str]] = {
+    StandbyReleased: (ExitCode.SUCCESS, "not promoted"),  # the job needed no standby
+    ConfigError: (ExitCode.USAGE, "bad config"),
+    JobLocked: (ExitCode.JOB_LOCKED, "job locked"),  # another live job holds this job id
+    CheckpointError: (ExitCode.CHECKPOINT_INCOMPATIBLE, "cannot resume"),  # no relaunch helps
+    DataError: (ExitCode.BAD_DATA, "bad data"),
+    storage.StorageError: (ExitCode.STORAGE_UNAVAILABLE, "storage unavailable"),  # retries spent
+}
+
+
+def exit_code_of(exc: Exception) -> ExitCode:
+    """The exit code ``EXIT_CODES`` gives ``exc`` (its nearest class there), said in the log."""
+    code, what = next(EXIT_CODES[t] for t in type(exc).__mro__ if t in EXIT_CODES)
+    (log.info if code == ExitCode.SUCCESS else log.error)("%s: %s", what, exc)
+    return code
 
 
 @dataclass
@@ -99,6 +109,83 @@ class LoopStats:
         return out
 
 
+def main(argv: list[str] | None = None) -> int:
+    """A rank's process: parse, build, train, close. It never outlives its launcher, and
+    its exit code is what the orchestrator learns of how it ended."""
+    die_with_parent()
+    try:
+        control = RankControl.from_env(int(os.environ.get("LOCAL_RANK", "0")))
+    except FileNotFoundError as exc:  # the orchestrator ended this attempt before it started
+        log.warning("not started: the control channel is gone (%s)", exc.filename)
+        return ExitCode.SUCCESS if os.environ.get(ENV_STANDBY) == "1" else ExitCode.PREEMPTED
+    code: int = ExitCode.CRASH  # anything not in EXIT_CODES: the exception goes on up
+    ledger: Ledger | None = None
+    try:
+        config = parse(argv)
+        with attempt(config, control) as (ledger, preemption):
+            parts = Initializer(config, ledger, control).run()
+            code = train(config, parts, ledger, preemption, control)
+    except tuple(EXIT_CODES) as exc:
+        code = exit_code_of(exc)
+    finally:
+        code = close(code, ledger, control)
+    return code
+
+
+def parse(argv: list[str] | None) -> JobConfig:
+    """The command line and the job config; logging set up for this rank."""
+    parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
+    parser.add_argument("--config", help="job config (YAML/TOML); embedded defaults if omitted")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s [rank{os.environ.get('RANK', '0')}] %(name)s: %(message)s",
+        stream=sys.stdout,
+        force=True,  # an imported library may have configured logging already
+    )
+    quiet_library_dumps()  # TorchRec's planner report, FBGEMM's table dumps: DEBUG
+    # The launcher resolved the config (parameters > ETT_* > file): it is final here.
+    return load_resolved(args.config) if args.config else load_config()
+
+
+@contextlib.contextmanager
+def attempt(config: JobConfig, control: RankControl | None) -> Iterator[tuple[Ledger, Preemption]]:
+    """What the attempt holds open on this rank: the job's lease, its ledger, the SIGTERM
+    flag and the orchestrator's lifeline; the ledger is stored and the process group
+    destroyed on the way out, whatever ended the attempt."""
+    storage.configure(config.storage)
+    rank = int(os.environ.get("RANK", "0"))
+    with trainer_lease(config.layout, rank):  # one job id, one job (infra/lease.py)
+        recover_orphaned_spools(config.layout)  # ledger events of killed attempts on this node
+        ledger = Ledger(config.layout, attempt=attempt_number(config.layout, rank), rank=rank)
+        ledger.mark(Mark.ATTEMPT_START, pid=os.getpid(), standby=bool(control and control.standby))
+        preemption = Preemption()
+        preemption.install()
+        if control is not None:  # the orchestrator died: stop as if preempted (checkpoint, exit)
+            control.start(on_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))
+            if rank == 0:
+                control.report(Phase.INIT)
+        try:
+            yield ledger, preemption
+        finally:
+            ledger.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def close(code: int, ledger: Ledger | None, control: RankControl | None) -> int:
+    """The exit code, told to the orchestrator: a job that trained but whose accounting is
+    not stored is not a success."""
+    if ledger is not None and not ledger.close() and code == ExitCode.SUCCESS:
+        log.error(
+            "the ETT ledger %s was not stored; exiting %d", ledger.url, ExitCode.LEDGER_NOT_SAVED
+        )
+        code = ExitCode.LEDGER_NOT_SAVED
+    if control is not None:
+        control.record_exit(code)
+    return code
+
+
 def attempt_number(layout: JobLayout, rank: int) -> int:
     """The attempt number: ETT_ATTEMPT from the orchestrator, else one past this rank's
     previous trainer ledgers (each rank counts its own files, so all ranks agree)."""
@@ -114,6 +201,15 @@ def failure_history(control: RankControl | None) -> FailureHistory:
     return FailureHistory(state.failures, state.started_at)
 
 
+def progress_reporter(
+    control: RankControl | None, is_main: bool
+) -> Callable[[Phase, int, int, int], None]:
+    """Rank 0's progress record for the orchestrator; a no-op anywhere else."""
+    if control is None or not is_main:
+        return lambda phase, step, total, restarts: None
+    return control.report
+
+
 def train_step(model: torch.nn.Module, optimizer: Any, batch: Batch, device: torch.device) -> float:
     """One forward/backward/update; sparse tables are updated inside backward (fused)."""
     batch = batch.to(device, non_blocking=True)
@@ -126,103 +222,38 @@ def train_step(model: torch.nn.Module, optimizer: Any, batch: Batch, device: tor
     return float(loss.detach())
 
 
-def run(config: JobConfig, control: RankControl | None = None) -> int:
-    """Train one attempt of the job; returns the process exit code."""
-    storage.configure(config.storage)
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        with trainer_lease(config.layout, rank):  # one job id, one job (infra/lease.py)
-            return _run_attempt(config, rank, control)
-    except JobLocked as exc:
-        log.error("%s", exc)
-        return ExitCode.JOB_LOCKED
-    except storage.StorageError as exc:  # retries spent: relaunch later
-        log.error("storage unavailable: %s", exc)
-        return ExitCode.STORAGE_UNAVAILABLE
-
-
-def _run_attempt(config: JobConfig, rank: int, control: RankControl | None) -> int:
-    recover_orphaned_spools(config.layout)  # ledger events of killed attempts on this node
-    attempt = attempt_number(config.layout, rank)
-    ledger = Ledger(config.layout, attempt=attempt, rank=rank)
-    ledger.mark(Mark.ATTEMPT_START, pid=os.getpid(), standby=bool(control and control.standby))
-    preemption = Preemption()
-    preemption.install()
-    if control is not None:  # the orchestrator died: stop as if preempted (checkpoint, exit)
-        control.start(on_lost=lambda: os.kill(os.getpid(), signal.SIGTERM))
-        if rank == 0:
-            control.report(Phase.INIT)
-    try:
-        code = _train(config, ledger, preemption, control)
-    except StandbyReleased as exc:
-        log.info("%s", exc)
-        code = ExitCode.SUCCESS
-    except CheckpointError as exc:  # corrupt or incompatible: relaunching cannot help
-        log.error("cannot resume: %s", exc)
-        code = ExitCode.CHECKPOINT_INCOMPATIBLE
-    except DataError as exc:
-        log.error("bad data: %s", exc)
-        code = ExitCode.BAD_DATA
-    finally:
-        ledger_saved = ledger.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    if not ledger_saved and code == ExitCode.SUCCESS:  # trained, but its accounting is not stored
-        log.error(
-            "the ETT ledger %s was not stored; exiting %d", ledger.url, ExitCode.LEDGER_NOT_SAVED
-        )
-        return ExitCode.LEDGER_NOT_SAVED
-    return code
-
-
-def _train(
-    config: JobConfig, ledger: Ledger, preemption: Preemption, control: RankControl | None
+def train(
+    config: JobConfig,
+    parts: Components,
+    ledger: Ledger,
+    preemption: Preemption,
+    control: RankControl | None,
 ) -> int:
-    parts = Initializer(config, ledger, control).run()
+    """The loop, then the anchor checkpoint; returns the exit code."""
     env, model, optimizer, loader = parts.env, parts.model, parts.optimizer, parts.loader
     checkpointer, faults = parts.checkpointer, parts.faults
     batches, pending = parts.batches, parts.first_batch
-    report = control.report if control is not None and env.is_main else None
-    policy = IntervalPolicy(config.checkpoint, config.train.steps, ledger, failure_history(control))
-    restarter = InProcessRestart(config, env, ledger)
-    eval_mode = config.train.eval
-
-    # What a checkpoint holds: tensors for DCP, and this rank's data position. Restored in
-    # place (in-process restart), so these stay the live objects for the whole attempt.
-    checkpointer.register(
-        tensors=tensor_states(model, optimizer, env.rank), rank_state={"loader": loader}
-    )
-
-    def save(step: int) -> None:
-        t0 = time.perf_counter()
-        checkpointer.save(step)
-        policy.saved(time.perf_counter() - t0)
-
+    total, every_eval = config.train.steps, config.train.eval_every
+    eval_inline = config.train.eval == EvalMode.INLINE and every_eval > 0
+    checkpointer.start(parts.start_step, failure_history(control))
+    restarter = InProcessRestart(config, env, ledger, checkpointer)
     blocking = config.train.step_consensus == ConsensusMode.BLOCKING
     consensus = StepConsensus(env.world_size, parts.control_group, blocking)
+    report = progress_reporter(control, env.is_main)
     model_flops = record_model_flops(ledger, config, env.device, env.world_size)
     stats = LoopStats()
-    step = last_saved = parts.start_step
-    finished = step  # the last step that ran to its end: what the last report says
+    step = finished = parts.start_step  # finished: the last step that ran to its end
     try:
-        while step < config.train.steps:
-            by_clock = env.is_main and step > last_saved and policy.due_by_clock()
-            agreed = consensus.exchange(preemption.requested, by_clock)
-            if agreed.preempt:
-                return _save_on_preemption(config, checkpointer, step)
-            if agreed.checkpoint and last_saved < step < config.train.steps:
-                save(step)
-                last_saved = step
-            t0 = time.perf_counter()
-            if checkpointer.wait_until_staged():
-                policy.staged(time.perf_counter() - t0)
-            # A commit that ends during this step still slowed it: ask before, and after.
-            committing = checkpointer.commit_running
+        while step < total:
+            agreed = consensus.exchange(preemption.requested, checkpointer.due_by_clock(step))
+            checkpointer.maybe_save(step, agreed)
+            if agreed.preempt:  # every rank stops here and saves, within the budget
+                saved = checkpointer.emergency_save(step)
+                return ExitCode.PREEMPTED if saved else ExitCode.EMERGENCY_SAVE_FAILED
             step += 1
             try:
                 faults.at_step(step)
                 with ledger.span(Span.TRAIN_STEP, step=step) as attrs:
-                    t0 = time.perf_counter()
                     batch = pending if pending is not None else next(batches)
                     pending = None
                     loss = train_step(model, optimizer, batch, env.device)
@@ -231,42 +262,29 @@ def _train(
             except (DataError, StandbyReleased):
                 raise
             except Exception as exc:  # noqa: BLE001 - recovered in place, or re-raised
-                resume = restarter.recover(exc, step, model, optimizer, loader, checkpointer)
-                step, batches, pending = resume.step, iter(loader), None
-                last_saved = finished = step
-                policy.failures_seen(policy.history.after_failure(time.time()))
-                if report is not None:  # the orchestrator counts it for the next attempts
-                    report(Phase.TRAINING, step, config.train.steps, restarter.restarts)
+                step = finished = restarter.recover(exc, step)
+                batches, pending = iter(loader), None
+                report(Phase.TRAINING, step, total, restarter.restarts)  # counted by the next
                 continue
             finished = step
-            committing = committing or checkpointer.commit_running
-            policy.step_done(time.perf_counter() - t0, committing)
+            checkpointer.step_done()
             stats.add(loss, len(batch))
-            if report is not None:
-                report(Phase.TRAINING, step, config.train.steps, restarter.restarts)
+            report(Phase.TRAINING, step, total, restarter.restarts)
             if step % config.train.log_every == 0 and env.is_main:
                 mean_loss, rate = stats.take()
                 log.info(
                     "step %d/%d loss %.4f %.0f examples/s",
                     step,
-                    config.train.steps,
+                    total,
                     mean_loss,
                     rate * env.world_size,
                 )
-            every = config.train.eval_every
-            eval_step = eval_mode != EvalMode.OFF and every > 0 and step % every == 0
-            if eval_step and eval_mode == EvalMode.INLINE:
+            if eval_inline and step % every_eval == 0:  # else the side evaluator, if any
                 _evaluate(parts, ledger, stats, step)
-            # Async eval: the side evaluator reads the checkpoint of every eval step.
-            due = policy.due_at(step) or (eval_step and eval_mode == EvalMode.ASYNC)
-            if due and step < config.train.steps and config.checkpoint.mode != CheckpointMode.OFF:
-                save(step)
-                last_saved = step
-        return _shutdown(config, parts, ledger, stats, step, eval_mode)
+        return _shutdown(config, parts, ledger, stats, step)
     finally:
         checkpointer.close()
-        if report is not None:  # never the step that failed: it did not happen
-            report(Phase.DONE, finished, config.train.steps, restarter.restarts)
+        report(Phase.DONE, finished, total, restarter.restarts)  # never the step that failed
 
 
 def _evaluate(parts: Components, ledger: Ledger, stats: LoopStats, step: int) -> None:
@@ -274,36 +292,28 @@ def _evaluate(parts: Components, ledger: Ledger, stats: LoopStats, step: int) ->
     with ledger.span(Span.EVAL, step=step) as attrs:
         stats.last_eval = evaluate(parts.model, parts.holdout, env.device, env.cpu_group)
         attrs.update(stats.last_eval)
-    if parts.env.is_main:
+    if env.is_main:
         log.info("step %d holdout %s", step, _fmt(stats.last_eval))
 
 
 def _shutdown(
-    config: JobConfig,
-    parts: Components,
-    ledger: Ledger,
-    stats: LoopStats,
-    step: int,
-    eval_mode: EvalMode,
+    config: JobConfig, parts: Components, ledger: Ledger, stats: LoopStats, step: int
 ) -> int:
     """The anchor checkpoint (and, in the loop's eval mode, the final evaluation)."""
     env, checkpointer = parts.env, parts.checkpointer
     with ledger.span(Span.SHUTDOWN, step=step):
         just_evaluated = stats.last_eval and step % max(config.train.eval_every, 1) == 0
-        if eval_mode == EvalMode.INLINE and not just_evaluated:
+        if config.train.eval == EvalMode.INLINE and not just_evaluated:
             stats.last_eval = evaluate(parts.model, parts.holdout, env.device, env.cpu_group)
-        # Else the anchor was saved already.
-        if config.checkpoint.mode != CheckpointMode.OFF and step > parts.start_step:
-            checkpointer.save(step, anchor=True)
+        anchored = checkpointer.save_anchor(step)
         checkpointer.close()
-        anchor_failed = step in checkpointer.failed_steps
         if env.is_main:
             log.info("final loader %s", parts.loader.stats)
             if stats.last_eval:
                 log.info("final holdout %s", _fmt(stats.last_eval))
                 _write_final_metrics(config, step, stats.last_eval, parts.loader.stats)
         dist.barrier(group=parts.control_group)
-    if anchor_failed:  # the model of this job is not saved: let the orchestrator retry
+    if not anchored:  # the model of this job is not saved: let the orchestrator retry
         log.error(
             "the anchor checkpoint at step %d did not commit; exiting %d so the attempt is "
             "retried from the newest committed checkpoint",
@@ -326,49 +336,5 @@ def _write_final_metrics(
         log.error("could not write %s: %s", url, exc)
 
 
-def _save_on_preemption(config: JobConfig, checkpointer: Checkpointer, step: int) -> int:
-    """Preempted: the whole save within the budget (trainer/checkpoint/checkpointer.py)."""
-    saved = checkpointer.emergency_save(step, config.checkpoint.preemption_budget_s)
-    return ExitCode.PREEMPTED if saved else ExitCode.EMERGENCY_SAVE_FAILED
-
-
 def _fmt(metrics: dict[str, float]) -> str:
     return " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
-
-
-def main(argv: list[str] | None = None) -> int:
-    """A rank's process: never outlives its launcher, tells the orchestrator its exit code."""
-    die_with_parent()
-    try:
-        control = RankControl.from_env(int(os.environ.get("LOCAL_RANK", "0")))
-    except FileNotFoundError as exc:  # the orchestrator ended this attempt before it started
-        log.warning("not started: the control channel is gone (%s)", exc.filename)
-        return ExitCode.SUCCESS if os.environ.get(ENV_STANDBY) == "1" else ExitCode.PREEMPTED
-    code: int = ExitCode.CRASH
-    try:
-        code = _main(argv, control)
-        return code
-    finally:
-        if control is not None:
-            control.record_exit(code)
-
-
-def _main(argv: list[str] | None, control: RankControl | None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
-    parser.add_argument("--config", help="job config (YAML/TOML); embedded defaults if omitted")
-    args = parser.parse_args(argv)
-    rank = os.environ.get("RANK", "0")
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s [rank{rank}] %(name)s: %(message)s",
-        stream=sys.stdout,
-        force=True,  # an imported library may have configured logging already
-    )
-    quiet_library_dumps()  # TorchRec's planner report, FBGEMM's table dumps: DEBUG
-    try:
-        # The launcher resolved the config (parameters > ETT_* > file): it is final here.
-        config = load_resolved(args.config) if args.config else load_config()
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return ExitCode.USAGE
-    return run(config, control)

@@ -1,4 +1,4 @@
-"""When to checkpoint: the checkpointer's interval, fixed by the config or chosen by the advisor.
+"""The checkpointer's interval, fixed by the config or chosen by the advisor.
 
 ``checkpoint.every_steps: auto`` (the default) picks the interval from what a checkpoint
 really costs this job, measured as it trains:
@@ -69,7 +69,8 @@ class FailureHistory:
 
 
 class IntervalPolicy:
-    """Decides at each step boundary whether to checkpoint; measures what checkpoints cost."""
+    """Whether the interval has passed (by step count, or by the clock), and what
+    checkpoints cost; the schedule (schedule.py) weighs it with the other reasons to save."""
 
     def __init__(
         self,

@@ -1,25 +1,33 @@
-"""What goes into a checkpoint, as tensors only, and the objects it is read from.
+"""What goes into a checkpoint, as tensors only, and the objects it is read from and loaded into.
 
 DCP loads tensors with ``torch.load(weights_only=True)`` but unpickles any other object it
 finds in a state dict, so nothing but tensors goes into the DCP part: optimizer
-hyper-parameters come from the config, and the step and data position are written as JSON.
+hyper-parameters come from the config, and the step and the data position are written as
+this rank's JSON state (a part wrapped in ``RankState``).
 
-The trainer hands the checkpointer its state once, as named objects with ``state_dict()``
-(as torchtitan's ``CheckpointManager`` takes ``states``); every save reads them. The same
-names serve restore, so saving and loading cannot disagree on what a checkpoint holds.
+The trainer hands the checkpointer its state once (``CheckpointStates``), as named objects
+with ``state_dict()`` and ``load_state_dict()``, as torchtitan's ``CheckpointManager`` takes
+its ``states``: every save reads them and every restore loads into them, so saving and
+loading cannot disagree on what a checkpoint holds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
 
+MODEL = "model"  # the part a warm start loads alone
+LOADER = "loader"  # the data position, in this rank's JSON state
+
 
 class Stateful(Protocol):
-    """What a save reads: the state of one part of training, as a (nested) dict."""
+    """One part of training, as a (nested) dict: read by a save, filled back by a restore."""
 
     def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def tensors_only(tree: Any) -> Any:
@@ -52,6 +60,14 @@ class OptimizerTensors:
             full["state"][key].update(values)
         self.optimizer.load_state_dict(full)
 
+    def prepare_load(self) -> None:
+        """TorchRec's optimizers create their state at their first step, and DCP loads in
+        place: the state must exist before a load reads into it (``init_state``, a step of
+        zeros that the load then overwrites)."""
+        init_state = getattr(self.optimizer, "init_state", None)
+        if init_state is not None:
+            init_state()
+
 
 class RngState:
     """This process's random number generators (CPU, and CUDA when there is one)."""
@@ -68,17 +84,64 @@ class RngState:
             torch.cuda.set_rng_state(state["cuda"])
 
 
-def tensor_states(model: torch.nn.Module, optimizer: Any, rank: int) -> dict[str, Any]:
-    """The parts whose tensors go to DCP, by the key each is saved under."""
-    return {"model": model, "optim": OptimizerTensors(optimizer), f"rng_rank{rank}": RngState()}
+class RankState:
+    """A part saved in this rank's JSON state beside the step, not by DCP: small plain data
+    that belongs to one rank and is never resharded (the data position)."""
+
+    def __init__(self, part: Stateful) -> None:
+        self.part = part
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.part.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.part.load_state_dict(state)
 
 
-def app_state(model: torch.nn.Module, optimizer: Any, rank: int) -> dict[str, Any]:
-    """The live state dict handed to DCP for load (filled in place)."""
-    return {key: part.state_dict() for key, part in tensor_states(model, optimizer, rank).items()}
+def train_states(model: torch.nn.Module, optimizer: Any, loader: Stateful, rank: int) -> dict:
+    """What the trainer's checkpoints hold, by the key each part is saved under."""
+    return {
+        MODEL: model,
+        "optim": OptimizerTensors(optimizer),
+        f"rng_rank{rank}": RngState(),
+        LOADER: RankState(loader),
+    }
 
 
-def apply_loaded(model: torch.nn.Module, optimizer: Any, state: dict[str, Any], rank: int) -> None:
-    """Push a state dict filled in place by ``dcp.load`` back into model, optimizer, RNG."""
-    for key, part in tensor_states(model, optimizer, rank).items():
-        part.load_state_dict(state[key])
+class CheckpointStates:
+    """The registered parts: those whose tensors DCP saves and loads, and those in this
+    rank's JSON state (``RankState``). The objects are the live ones training changes in
+    place, read at each save and filled at each restore."""
+
+    def __init__(self, states: Mapping[str, Stateful]) -> None:
+        for key, part in states.items():
+            if not callable(getattr(part, "state_dict", None)):
+                raise TypeError(
+                    f"checkpoint state {key!r} has no state_dict(): {type(part).__name__}"
+                )
+        self.tensors = {k: p for k, p in states.items() if not isinstance(p, RankState)}
+        self.rank = {k: p for k, p in states.items() if isinstance(p, RankState)}
+
+    def read(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The state as of now: the tensors for DCP, and this rank's JSON state."""
+        tensors = {key: part.state_dict() for key, part in self.tensors.items()}
+        return tensors, {key: part.state_dict() for key, part in self.rank.items()}
+
+    def load_target(self) -> dict[str, Any]:
+        """The tensor state for DCP to fill in place (``load`` then hands it back)."""
+        for part in self.tensors.values():
+            prepare = getattr(part, "prepare_load", None)
+            if prepare is not None:
+                prepare()
+        return {key: part.state_dict() for key, part in self.tensors.items()}
+
+    def load(self, target: dict[str, Any], only: tuple[str, ...] | None = None) -> None:
+        """Push a target filled by ``dcp.load`` back into the parts (``only``: those keys)."""
+        for key, part in self.tensors.items():
+            if only is None or key in only:
+                part.load_state_dict(target[key])
+
+    def load_rank_state(self, state: Mapping[str, Any]) -> None:
+        """Put this rank's JSON parts back where a checkpoint's JSON state says."""
+        for key, part in self.rank.items():
+            part.load_state_dict(state[key])

@@ -36,6 +36,7 @@ from infra.settings import JobConfig, load_config
 from tests.factories import HeldState
 from tests.reliability.cutting_proxy import RequestCutter
 from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.state import RankState
 from trainer.checkpoint.verify import verify_files
 
 ROWS, DIM = 64, 8
@@ -72,10 +73,8 @@ def _register(ckpt: Checkpointer, state: dict[str, Any]) -> HeldState:
     """Register ``state`` (read at every save) and a loader position; returns the position,
     which the test may change between saves."""
     position = HeldState({})
-    ckpt.register(
-        tensors={key: HeldState(part) for key, part in state.items()},
-        rank_state={"loader": position},
-    )
+    tensors = {key: HeldState(part) for key, part in state.items()}
+    ckpt.register({**tensors, "loader": RankState(position)})
     return position
 
 
@@ -379,7 +378,7 @@ def test_saving_before_any_state_is_registered_is_a_clear_error(
         with pytest.raises(RuntimeError, match=r"step 2: no state registered"):
             ckpt.emergency_save(2, budget_s=1)
         with pytest.raises(TypeError, match=r"'model' has no state_dict\(\): dict"):
-            ckpt.register(tensors={"model": {"w": torch.ones(1)}}, rank_state={})
+            ckpt.register({"model": {"w": torch.ones(1)}})
         with pytest.raises(RuntimeError, match="no state registered"):
             ckpt.save(3)  # a refused registration registers nothing
     finally:

@@ -101,7 +101,7 @@ def test_spools_of_killed_attempts_are_removed_and_live_ones_kept(tmp_path, monk
     import os
     import subprocess
 
-    from trainer.checkpoint.checkpointer import remove_stale_spools
+    from trainer.checkpoint.commit import remove_stale_spools
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     dead = subprocess.Popen(["true"])

@@ -25,6 +25,7 @@ from infra.settings import JobConfig, load_config
 from tests.factories import HeldState
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.restore import Restored, fetch, restore
+from trainer.checkpoint.state import RankState
 
 
 def _config(root: str, job_id: str = "restore", **sections: Any) -> JobConfig:
@@ -48,7 +49,7 @@ def _save(config: JobConfig, group: dist.ProcessGroup, tmp_path, *steps: int) ->
     ckpt = Checkpointer(config, 0, 1, ledger, process_group=group)
     tensors = {key: HeldState(part) for key, part in _state(0.0).items()}
     position = HeldState({})
-    ckpt.register(tensors=tensors, rank_state={"loader": position})
+    ckpt.register({**tensors, "loader": RankState(position)})
     try:
         for step in steps:
             for key, part in _state(float(step)).items():

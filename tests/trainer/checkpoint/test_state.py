@@ -1,5 +1,5 @@
 """What a checkpoint holds (trainer/checkpoint/state.py): tensors only, and loading it back
-puts model, optimizer and RNG exactly where they were."""
+into the registered states puts model, optimizer and RNG exactly where they were."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import copy
 
 import torch
 
-from trainer.checkpoint.state import app_state, apply_loaded, tensors_only
+from tests.factories import HeldState
+from trainer.checkpoint.state import CheckpointStates, tensors_only, train_states
 
 
 def test_only_tensors_go_into_the_checkpoint() -> None:
@@ -24,20 +25,24 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
 
 
-def test_app_state_round_trips_model_optimizer_and_rng() -> None:
+def test_registered_states_round_trip_model_optimizer_and_rng() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    loader = HeldState({"shard_pos": 7})
+    states = CheckpointStates(train_states(model, optimizer, loader, rank=3))
     _step(model, optimizer)
-    saved = copy.deepcopy(app_state(model, optimizer, rank=3))
+    tensors, rank_state = states.read()
+    saved = copy.deepcopy(tensors)
     assert set(saved) == {"model", "optim", "rng_rank3"}
+    assert rank_state == {"loader": {"shard_pos": 7}}  # JSON beside the step, not DCP
     assert all(
         isinstance(v, torch.Tensor) for s in saved["optim"]["state"].values() for v in s.values()
     )
     expected = torch.rand(5)  # what the RNG gives next, from the saved state
 
     _step(model, optimizer)  # everything moves on
-    apply_loaded(model, optimizer, saved, rank=3)
+    states.load(saved)
     for key, value in model.state_dict().items():
         assert torch.equal(value, saved["model"][key]), key
     for index, state in optimizer.state_dict()["state"].items():
