@@ -46,12 +46,12 @@ import torch
 import torch.distributed as dist
 
 from infra.accounting.ledger import Ledger
-from infra.accounting.ledger_format import Mark, Span
+from infra.accounting.ledger_format import Mark, ResumeHow, Span
 from infra.control import Command, Phase, RankControl
 from infra.settings import EvalMode, JobConfig
 from trainer import compile_cache, compiled
 from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.checkpoint.resume import RestoreKind, Resume, peek_resume
+from trainer.checkpoint.resume import Resume, peek_resume
 from trainer.checkpoint.state import train_states
 from trainer.data.balance import make_balancer
 from trainer.data.batch import Batch
@@ -336,7 +336,7 @@ class Initializer:
         # loaded in place here and by an in-process restart (trainer/restart.py).
         states = train_states(self.model, self.optimizer, self.loader, self.env.rank)
         self.checkpointer.register(states)
-        how = RestoreKind.PROMOTED if self.promoted else RestoreKind.COLD
+        how = ResumeHow.PROMOTED if self.promoted else ResumeHow.COLD
         self.resume = self.checkpointer.restore(how)
         attrs["resumed_from_step"] = self.resume.step
 

@@ -26,10 +26,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from infra.accounting.ledger import Ledger
-from infra.accounting.ledger_format import Mark
+from infra.accounting.ledger_format import Mark, ResumeHow
 from infra.settings import JobConfig
 from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.checkpoint.resume import RestoreKind
 from trainer.distributed import DistEnv
 
 log = logging.getLogger(__name__)
@@ -73,7 +72,7 @@ class InProcessRestart:
         except TimeoutError:
             log.error("the in-flight checkpoint is still uploading: failing the attempt")
             raise exc from None
-        resume = self.checkpointer.restore(RestoreKind.IN_PROCESS)
+        resume = self.checkpointer.restore(ResumeHow.IN_PROCESS)
         if resume.url is None:
             log.error("nothing committed to restore in process: failing the attempt")
             raise exc

@@ -35,13 +35,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import StagingOptions
 
 from infra.accounting.ledger import Ledger
-from infra.accounting.ledger_format import Span
+from infra.accounting.ledger_format import ResumeHow, Span
 from infra.checkpoint_manifest import CheckpointError
 from infra.settings import CheckpointMode, JobConfig
 from trainer.checkpoint import emergency
 from trainer.checkpoint.commit import AlreadyCommitted, CheckpointPhase, Committer
 from trainer.checkpoint.interval import FailureHistory
-from trainer.checkpoint.resume import RestoreKind, Resume, restore_states
+from trainer.checkpoint.resume import Resume, restore_states
 from trainer.checkpoint.schedule import SaveSchedule
 from trainer.checkpoint.staging import ShardedStateStager, Staging
 from trainer.checkpoint.state import CheckpointStates, Stateful
@@ -106,7 +106,7 @@ class Checkpointer:
             )
         return self.states
 
-    def restore(self, how: RestoreKind = RestoreKind.COLD) -> Resume:
+    def restore(self, how: ResumeHow = ResumeHow.COLD) -> Resume:
         """Load the newest usable checkpoint into the registered states. In process, the
         loop is stopped: this rank's JSON parts (the data position) are loaded too, and the
         failure counts towards the interval. At the start of an attempt they are left to
@@ -115,7 +115,7 @@ class Checkpointer:
         resume = restore_states(
             self.config, states, self.rank, self.world_size, self.ledger, self.pg, how
         )
-        if how == RestoreKind.IN_PROCESS and resume.url is not None:
+        if how == ResumeHow.IN_PROCESS and resume.url is not None:
             states.load_rank_state(resume.rank_state or {})
             if self.schedule is not None:
                 self.schedule.restored(resume.step, after_failure=True)

@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 import torch.distributed as dist
 
 from infra import storage
 from infra.accounting.ledger import Ledger
-from infra.accounting.ledger_format import Mark
+from infra.accounting.ledger_format import Mark, ResumeHow
 from infra.checkpoint_manifest import CheckpointError, rank_state_name
 from infra.settings import JobConfig
 from trainer.checkpoint.restore import candidates, check_compatible, restore
@@ -26,14 +25,6 @@ from trainer.checkpoint.retention import purge_uncommitted
 from trainer.checkpoint.state import LOADER, MODEL, CheckpointStates
 
 log = logging.getLogger(__name__)
-
-
-class RestoreKind(StrEnum):
-    """How a restore came about (the ``how`` of its ``resume`` mark)."""
-
-    COLD = "cold"  # a fresh attempt
-    PROMOTED = "promoted"  # a warm standby, once promoted
-    IN_PROCESS = "in_process"  # an exception in a step, recovered without a new process
 
 
 @dataclass(frozen=True)
@@ -78,13 +69,13 @@ def restore_states(
     world_size: int,
     ledger: Ledger,
     group: dist.ProcessGroup | None,
-    how: RestoreKind = RestoreKind.COLD,
+    how: ResumeHow = ResumeHow.COLD,
 ) -> Resume:
     """Load the newest usable checkpoint into the tensor states (model, optimizer, RNG);
     returns where the loop continues and this rank's JSON state (the JSON parts themselves
     are left alone). The ``resume`` mark names the checkpoint, how this restore came about
     and every newer checkpoint it skipped, and why."""
-    in_process = how == RestoreKind.IN_PROCESS
+    in_process = how == ResumeHow.IN_PROCESS
     if rank == 0 and not in_process:
         purge_uncommitted(config.layout)
     dist.barrier(group=group)
