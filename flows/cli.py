@@ -95,15 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="N daily windows dt=YYYY-MM-DD up to today, as the retrain flow reads them",
     )
     p = add("train", cmd_train, "run a training job under torchrun, with retries (no Prefect)")
-    # Each sets one config field (flows/commands.py TRAIN_FLAGS); not given, the config's.
+    # Each sets one config field, its destination (flows/commands.train_overrides); a flag
+    # not given leaves the config's value.
     for flag, kind, field, what in (
         ("--nproc", positive_int, "launch.nproc", "processes (ranks) per node"),
         ("--nnodes", positive_int, "launch.nnodes", "nodes, each a torchrun agent"),
+        ("--work-pool", str, "launch.work_pool", "Prefect work pool whose workers run the nodes"),
         ("--max-failures", int, "recovery.max_failures", "failures survived"),
         ("--backoff-s", float, "recovery.backoff_s", "wait when a failure repeats"),
         ("--hang-timeout-s", positive, "recovery.hang_timeout_s", "no step this long: hung"),
     ):
-        p.add_argument(flag, type=kind, help=f"{what} (sets {field})")
+        p.add_argument(flag, type=kind, dest=field, help=f"{what} (sets {field})")
     p = add(
         "pool",
         cmd_pool,

@@ -88,20 +88,13 @@ class _Stop:
 
 
 # ``ett train``'s flags and the config fields they set (as overrides: ETT_* still wins).
-TRAIN_FLAGS = {
-    "nproc": ("launch", "nproc"),
-    "nnodes": ("launch", "nnodes"),
-    "max_failures": ("recovery", "max_failures"),
-    "backoff_s": ("recovery", "backoff_s"),
-    "hang_timeout_s": ("recovery", "hang_timeout_s"),
-}
-
-
 def train_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The config sections that ``ett train``'s flags set; a flag not given sets nothing."""
+    """The config fields that ``ett train``'s flags set: each flag's destination is its
+    field's dotted path (flows/cli.py); a flag not given sets nothing."""
     out: dict[str, dict[str, Any]] = {}
-    for flag, (section, field) in TRAIN_FLAGS.items():
-        if (value := getattr(args, flag, None)) is not None:
+    for dest, value in vars(args).items():
+        if "." in dest and value is not None:
+            section, field = dest.split(".", 1)
             out.setdefault(section, {})[field] = value
     return out
 

@@ -106,8 +106,10 @@ class NodeStatus:
     host: str
     address: str
     heartbeat: float  # the node run's wall clock when it wrote this
+    pid: int = 0  # the node run's process, on its host
     seq: int = -1  # the last order it acted on
-    attempt: int | None = None  # the launch it runs or ran last
+    attempt: int | None = None  # the launch it runs or ran last...
+    node_rank: int | None = None  # ...as this node
     exit_code: int | None = None  # that launch's, once it ended
     progress: Progress | None = None  # rank 0's, on the node that holds it
 

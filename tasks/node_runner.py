@@ -263,8 +263,10 @@ class NodeRunner:
             host=self.host,
             address=self.address,
             heartbeat=clocks.wall(),
+            pid=os.getpid(),
             seq=self._seq,
             attempt=None if launch is None else launch.attempt,
+            node_rank=None if launch is None else launch.node_rank,
             exit_code=self._exit_code,
             progress=progress,
         )

@@ -34,8 +34,8 @@ class WorkPoolNodeRuns:
         self, work_pool: str, layout: JobLayout, job_variables: dict[str, Any] | None = None
     ) -> None:
         self.work_pool, self.layout = work_pool, layout
-        self.job_variables = job_variables or {}
         self.deployment = self._find_deployment()
+        self.job_variables = {**self._job_variables(), **(job_variables or {})}
 
     def _find_deployment(self) -> UUID:
         from prefect.client.orchestration import get_client
@@ -57,6 +57,16 @@ class WorkPoolNodeRuns:
                 "deploy it there (prefect.yaml's train-node, or docs/multi-host.md)"
             )
         return found[0].id
+
+    def _job_variables(self) -> dict[str, Any]:
+        """``job_id`` for a pool whose template asks for it: the Kubernetes template labels
+        its pods with it, so no two nodes of a job share a host (deploy/kubernetes/)."""
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            template = client.read_work_pool(self.work_pool).base_job_template
+        declared = template.get("variables", {}).get("properties", {})
+        return {"job_id": self.layout.job_id} if "job_id" in declared else {}
 
     def submit(self, key: str) -> str:
         from prefect.deployments import run_deployment

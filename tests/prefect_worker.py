@@ -21,7 +21,14 @@ from tests.factories import ROOT
 
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 POOL = "ett-local"
-DEPLOYMENTS = ("train/train", "retrain/retrain", "publish/publish", "ett-report/ett-report")
+NODE_POOL = "ett-nodes"  # prefect.yaml's pool of train-node runs (docs/multi-host.md)
+DEPLOYMENTS = (
+    "train/train",
+    "train-node/train-node",
+    "retrain/retrain",
+    "publish/publish",
+    "ett-report/ett-report",
+)
 
 
 def prefect_cli(*args: str, timeout: float = 300) -> str:
@@ -39,17 +46,20 @@ def prefect_cli(*args: str, timeout: float = 300) -> str:
 
 
 def create_pool() -> None:
-    """`prefect work-pool create ett-local --type process`, without a CLI start-up."""
+    """`prefect work-pool create ett-local --type process` (and ett-nodes), without a CLI
+    start-up."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectAlreadyExists
     from prefect.workers.process import ProcessWorker
 
-    pool = WorkPoolCreate(
-        name=POOL, type="process", base_job_template=ProcessWorker.get_default_base_job_template()
-    )
-    with get_client(sync_client=True) as client, contextlib.suppress(ObjectAlreadyExists):
-        client.create_work_pool(pool)
+    template = ProcessWorker.get_default_base_job_template()
+    with get_client(sync_client=True) as client:
+        for name in (POOL, NODE_POOL):
+            with contextlib.suppress(ObjectAlreadyExists):
+                client.create_work_pool(
+                    WorkPoolCreate(name=name, type="process", base_job_template=template)
+                )
 
 
 @contextlib.contextmanager
@@ -75,9 +85,7 @@ def deployed_worker(log: Path, env: dict[str, str] | None = None) -> Iterator[Pa
             start_new_session=True,
         )
     try:
-        out = prefect_cli("deploy", "--all")
-        for name in DEPLOYMENTS:
-            assert name in out, out
+        deploy()
         yield log
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -86,3 +94,55 @@ def deployed_worker(log: Path, env: dict[str, str] | None = None) -> Iterator[Pa
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def deploy() -> None:
+    """`prefect deploy --all` from prefect.yaml, its pools created first."""
+    create_pool()
+    out = prefect_cli("deploy", "--all")
+    for name in DEPLOYMENTS:
+        assert name in out, out
+
+
+@contextlib.contextmanager
+def node_workers(hosts: list, env: dict[str, str], log_dir: Path) -> Iterator[list]:
+    """One `prefect worker start --pool ett-nodes --limit 1` per host (tests/node_hosts.py
+    Host: the address it advertises, its scratch folder), as on a cluster of machines; each
+    in its own process group, ended (SIGTERM, then SIGKILL) on exit. Yields the workers."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for n, host in enumerate(hosts):
+            host_env = {
+                **os.environ,
+                "PREFECT_WORKER_QUERY_SECONDS": "1",
+                "PYTHONPATH": str(ROOT),
+                "OMP_NUM_THREADS": "1",
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                **env,
+                "ETT_ADVERTISE_ADDRESS": host.address,
+                "ETT_SCRATCH_DIR": str(host.scratch),
+            }
+            with open(log_dir / f"worker-{n}.log", "wb") as fh:
+                cmd = [PREFECT, "worker", "start", "--pool", NODE_POOL, "--limit", "1"]
+                cmd += ["--name", f"host-{n}"]
+                procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        cwd=ROOT,
+                        env=host_env,
+                        stdout=fh,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        yield procs
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
