@@ -192,6 +192,7 @@ class NodeRunner:
         attempt.nodes.append(node)
         self._attempt, self._launch, self._exit_code = attempt, launch, None
         self._state = NodeState.RUNNING
+        self._status(force=True)  # the orchestrator sees the launch taken without a beat's wait
         how = " (a parked agent)" if node.pooled else ""
         self.log.info(
             "node run %s: attempt %d node %d started%s",

@@ -36,7 +36,7 @@ from tests.node_hosts import SubprocessNodeRuns, hosts
 from tests.procs import MARKER
 
 FAKE = str(Path(__file__).resolve().parents[1] / "fake_trainer.py")
-KILL_AT = 15
+KILL_AT = 10
 
 
 def _config(tmp_path: Path, **recovery: object) -> JobConfig:
@@ -56,7 +56,7 @@ def node_runs(tmp_path: Path) -> Iterator[tuple[JobConfig, SubprocessNodeRuns]]:
 
     def make(count: int = 2, host_env: dict[str, str] | None = None, **recovery: object):
         config = _config(tmp_path, **recovery)
-        env = {MARKER: str(tmp_path), "FAKE_STEP_S": "0.05", **(host_env or {})}
+        env = {MARKER: str(tmp_path), "FAKE_STEP_S": "0.1", **(host_env or {})}
         runs = SubprocessNodeRuns(
             config.layout.url, hosts(tmp_path, count), env, {"launcher": [FAKE]}
         )
