@@ -105,10 +105,16 @@ def deploy() -> None:
 
 
 @contextlib.contextmanager
-def node_workers(hosts: list, env: dict[str, str], log_dir: Path) -> Iterator[list]:
+def node_workers(
+    hosts: list,
+    env: dict[str, str],
+    log_dir: Path,
+    host_env: dict[int, dict[str, str]] | None = None,
+) -> Iterator[list]:
     """One `prefect worker start --pool ett-nodes --limit 1` per host (tests/node_hosts.py
     Host: the address it advertises, its scratch folder), as on a cluster of machines; each
-    in its own process group, ended (SIGTERM, then SIGKILL) on exit. Yields the workers."""
+    in its own process group, ended (SIGTERM, then SIGKILL) on exit. ``env`` goes to every
+    host, ``host_env[n]`` to host n alone. Yields the workers."""
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for n, host in enumerate(hosts):
@@ -119,6 +125,7 @@ def node_workers(hosts: list, env: dict[str, str], log_dir: Path) -> Iterator[li
                 "OMP_NUM_THREADS": "1",
                 "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                 **env,
+                **(host_env or {}).get(n, {}),
                 "ETT_ADVERTISE_ADDRESS": host.address,
                 "ETT_SCRATCH_DIR": str(host.scratch),
             }

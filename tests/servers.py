@@ -24,6 +24,7 @@ worker's tests are likely to need, see ``_wanted``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,16 +145,24 @@ def prefect_server(
     The settings are also made process-global, as prefect_test_harness does: Prefect's
     background services (the API log worker, the events worker) run in threads that do not
     inherit this context, and without it they would start an ephemeral server of their own."""
+    api_url = _servers(request, tmp_path_factory, "prefect_server").ready("prefect").url + "/api"
+    with prefect_api(api_url):
+        yield api_url
+
+
+@contextlib.contextmanager
+def prefect_api(api_url: str) -> Iterator[None]:
+    """PREFECT_API_URL points at ``api_url`` meanwhile, in os.environ and in Prefect's
+    process-global settings (see ``prefect_server``)."""
     import prefect.context
     from prefect.logging.handlers import APILogWorker
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    api_url = _servers(request, tmp_path_factory, "prefect_server").ready("prefect").url + "/api"
     with (
         pytest.MonkeyPatch.context() as mp,
         temporary_settings(updates={PREFECT_API_URL: api_url}),
         prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()),
     ):
         mp.setenv("PREFECT_API_URL", api_url)
-        yield api_url
+        yield
         APILogWorker.drain_all(timeout=10)  # before the server stops

@@ -1,0 +1,282 @@
+"""A job across "hosts", through the engines a cluster uses: a real Prefect server, one
+process worker per host on the ``ett-nodes`` pool (each advertising its own loopback
+address, 127.0.0.2 up, with a scratch folder of its own), moto's S3 as the only storage the
+hosts share, and the orchestrator as users start it (``ett train --config``, the config's
+``launch.work_pool``). docs/multi-host.md describes what is tested here.
+
+The module runs its own Prefect server (not the session's), so that one test can restart it
+mid-job. The first job is the reference the others are compared with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+
+from infra import storage
+from infra.accounting import clocks, host_offsets
+from infra.accounting.ett import compute_report, report_for_job
+from infra.accounting.ledger_read import LedgerFile, ledger_of, read_files
+from infra.devstack import servers
+from infra.job_layout import JobLayout
+from infra.node_protocol import ENV_ADVERTISE, ENV_SCRATCH, NODES, NodeState, read_status
+from infra.settings import JobConfig
+from tests import procs
+from tests.factories import assert_bit_identical, tiny_config, write_dataset
+from tests.node_hosts import Host, hosts
+from tests.prefect_worker import NODE_POOL, deploy, node_workers
+from tests.reliability.ett_job import EttTrain
+from tests.servers import STARTUP_TIMEOUT_S, prefect_api
+
+pytestmark = pytest.mark.slow
+
+STEPS = 60
+SHIFT_S = 5.0  # the skewed host's clock runs this far ahead
+SKEWED = "skewed-host"  # its ledger's host name (ETT_FAULT_HOST_ID)
+ORCHESTRATOR_ADDRESS = "127.0.0.1"  # where the rendezvous and clock server listen
+GONE_WITHIN_S = 30.0
+
+
+class RestartablePrefect:
+    """``prefect server start`` on a fixed port and state folder, so that a restart comes
+    back at the same address with the same database, as a server redeployed would."""
+
+    def __init__(self, state: Path) -> None:
+        self.state, self.port = state, servers.free_port()
+        self.service: servers.Service | None = None
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    def start(self) -> None:
+        self.service = servers.launch("prefect", self.state, port=self.port)
+        servers.wait_ready(self.service, STARTUP_TIMEOUT_S)
+
+    def stop(self) -> None:
+        if self.service is not None:
+            servers.stop([self.service.pid])
+            self.service = None
+
+
+@pytest.fixture(scope="module")
+def prefect(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RestartablePrefect]:
+    server = RestartablePrefect(tmp_path_factory.mktemp("prefect-hosts"))
+    server.start()
+    try:
+        with prefect_api(server.api_url):
+            deploy()
+            yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def data_url(s3_server: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    url = f"s3://ett/hosts-data-{uuid.uuid4().hex[:8]}"
+    write_dataset(_config(tmp_path_factory.mktemp("data"), url, "data"))
+    return url
+
+
+def _config(tmp_path: Path, data_url: str, job_id: str, **recovery: object) -> JobConfig:
+    return tiny_config(
+        tmp_path,
+        job_id=job_id,
+        storage={"root": f"s3://ett/{job_id}-{uuid.uuid4().hex[:8]}"},
+        data={"url": data_url},
+        train={"steps": STEPS, "log_every": 10},
+        launch={"nnodes": 2, "nproc": 1, "work_pool": NODE_POOL},
+        recovery={"backoff_s": 0, "max_failures": 2, "node_timeout_s": 10, **recovery},
+    )
+
+
+@dataclass
+class HostsJob:
+    """One job's orchestrator and the workers of its hosts."""
+
+    config: JobConfig
+    train: EttTrain
+    hosts: list[Host]
+    workers: list[subprocess.Popen[bytes]]
+
+    def running(self, node_rank: int):
+        """The status of the node run that runs ``node_rank`` now, if any."""
+        layout = self.config.layout
+        try:
+            keys = [k.rstrip("/").rsplit("/", 1)[-1] for k in storage.listdir(_nodes(layout))]
+        except FileNotFoundError:
+            return None
+        for key in keys:
+            status = read_status(layout, key)
+            if status and status.state == NodeState.RUNNING and status.node_rank == node_rank:
+                return status
+        return None
+
+    def wait_for_step(self, step: int, timeout: float = 240) -> None:
+        def past() -> bool:
+            status = self.running(0)
+            return bool(status and status.progress and status.progress.step >= step)
+
+        self.train.wait_until(f"node 0 past step {step}", past, timeout)
+
+    def left_on_hosts(self) -> list[int]:
+        """Processes of the job still on any host once it is over: those that carry a
+        host's scratch folder, the hosts' workers aside."""
+        workers = {w.pid for w in self.workers}
+        found: list[int] = []
+        deadline = time.monotonic() + GONE_WITHIN_S
+        while time.monotonic() < deadline:
+            found = [
+                pid
+                for host in self.hosts
+                for pid in procs.carrying(**{ENV_SCRATCH: str(host.scratch)})
+                if pid not in workers
+            ]
+            if not found:
+                break
+            time.sleep(0.2)
+        return found
+
+
+def _nodes(layout: JobLayout) -> str:
+    return storage.join(layout.url, NODES)
+
+
+@contextlib.contextmanager
+def hosts_job(
+    tmp_path: Path, config: JobConfig, count: int = 2, skewed: int | None = None
+) -> Iterator[HostsJob]:
+    """``count`` hosts with a worker each (host ``skewed``'s clock SHIFT_S ahead) and the
+    job's orchestrator, ``ett train --config``; every process of it ended afterwards."""
+    placed = hosts(tmp_path, count)
+    with node_workers(placed, {}, tmp_path, host_env=_skew(skewed)) as workers:
+        train = EttTrain(config, tmp_path, env={ENV_ADVERTISE: ORCHESTRATOR_ADDRESS})
+        try:
+            yield HostsJob(config, train, placed, workers)
+        finally:
+            train.end()
+
+
+def _skew(skewed: int | None) -> dict[int, dict[str, str]]:
+    if skewed is None:
+        return {}
+    return {skewed: {clocks.ENV_SHIFT: str(SHIFT_S), clocks.ENV_HOST: SKEWED}}
+
+
+def _finished(job: HostsJob, timeout: float = 420) -> None:
+    code = job.train.wait(timeout)
+    assert code == 0, job.train.tail()
+    job.train.assert_left_nothing()
+    assert job.left_on_hosts() == [], "a node run or rank outlived the job"
+
+
+@pytest.fixture(scope="module")
+def reference(
+    prefect: RestartablePrefect, data_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> JobConfig:
+    """Two nodes train to the end, uninterrupted; host 1's clock runs SHIFT_S ahead."""
+    tmp_path = tmp_path_factory.mktemp("reference")
+    config = _config(tmp_path, data_url, "hosts-ref")
+    with hosts_job(tmp_path, config, skewed=1) as job:
+        _finished(job)
+    return config
+
+
+def test_two_nodes_train_to_the_end_each_on_its_host(reference: JobConfig) -> None:
+    report = report_for_job(reference.layout)
+    assert report.finished and report.num_failures == 0
+    addresses = {json.loads(storage.read_text(url))["address"] for url in _statuses(reference)}
+    assert addresses == {"127.0.0.2", "127.0.0.3"}  # one node run on each host
+
+
+def _statuses(config: JobConfig) -> list[str]:
+    return storage.glob(storage.join(_nodes(config.layout), "*", "status.json"))
+
+
+def test_a_host_5_s_ahead_keeps_the_buckets_whole_and_ett_true(reference: JobConfig) -> None:
+    """The skewed host measured its offset to the orchestrator's clock; the report built on
+    it is within 0.5 points of the one built from that host's events moved back by exactly
+    SHIFT_S, its buckets sum to W, and W is no longer than the job ran."""
+    files = read_files(reference.layout)
+    skewed = [f for f in files if _host_of(f) == SKEWED]
+    assert skewed, "no ledger file of the skewed host"
+    read = ledger_of(files)
+    [measured] = [o for o in read.clock.offsets if o.what == f"host {SKEWED}"]
+    assert abs(measured.offset_s - SHIFT_S) <= measured.error_s + 0.05
+    report = compute_report(read.events, clock=read.clock)
+    truth_read = ledger_of([_moved_back(f) if f in skewed else f for f in files])
+    truth = compute_report(truth_read.events, clock=truth_read.clock)
+    assert math.isclose(math.fsum(report.buckets.values()), report.wall_s, rel_tol=1e-9)
+    pairs = zip(report.segments, report.segments[1:], strict=False)
+    assert all(later[0] >= earlier[1] - 1e-9 for earlier, later in pairs)  # disjoint
+    assert abs(report.ett_pct - truth.ett_pct) <= 0.5, (report.ett_pct, truth.ett_pct)
+    assert abs(report.wall_s - truth.wall_s) <= 0.5
+    assert report.finished and report.num_steps == truth.num_steps == STEPS
+
+
+def _host_of(file: LedgerFile) -> str | None:
+    for line in file.data.decode().splitlines():
+        rec = json.loads(line)
+        if rec.get("name") == "clock":
+            return rec.get("attrs", {}).get("host")
+    return None
+
+
+def _moved_back(file: LedgerFile) -> LedgerFile:
+    """The file as a host with a true clock would have written it: every time SHIFT_S
+    earlier, and no measured offset (none is needed)."""
+    lines = []
+    for line in file.data.decode().splitlines():
+        rec = json.loads(line)
+        for key in ("t", "start", "end"):
+            if key in rec:
+                rec[key] -= SHIFT_S
+        rec.get("attrs", {}).pop(host_offsets.CLOCK_ATTR, None)
+        lines.append(json.dumps(rec))
+    return replace(file, data=("\n".join(lines) + "\n").encode())
+
+
+def test_a_node_run_killed_mid_job_recovers_bit_identical(
+    reference: JobConfig, data_url: str, tmp_path: Path
+) -> None:
+    """Node 1's run is SIGKILLed from outside mid-job: the loss is found, node 0 is ended,
+    both are relaunched, and the job ends with the reference's weights and nothing left."""
+    config = _config(tmp_path, data_url, "hosts-kill")
+    with hosts_job(tmp_path, config) as job:
+        job.wait_for_step(25)
+        victim = job.running(1)
+        assert victim is not None and victim.pid, "node 1 is not running"
+        os.kill(victim.pid, signal.SIGKILL)
+        _finished(job)
+    report = report_for_job(config.layout)
+    assert report.finished and report.num_failures == 1
+    assert "lost" in job.train.output()
+    assert_bit_identical(reference, config, STEPS)
+
+
+def test_the_prefect_server_restarted_mid_job_and_the_job_finishes(
+    prefect: RestartablePrefect, reference: JobConfig, data_url: str, tmp_path: Path
+) -> None:
+    """The API goes away for as long as a restart takes; the node runs train on (their
+    heartbeats and progress go through storage) and the job ends as if nothing happened."""
+    config = _config(tmp_path, data_url, "hosts-api")
+    with hosts_job(tmp_path, config) as job:
+        job.wait_for_step(15)
+        prefect.stop()
+        time.sleep(3)
+        prefect.start()
+        _finished(job)
+    report = report_for_job(config.layout)
+    assert report.finished and report.num_failures == 0
+    assert_bit_identical(reference, config, STEPS)
