@@ -145,6 +145,31 @@ def read_status(layout: JobLayout, key: str) -> NodeStatus | None:
     return _read(join(node_folder(layout, key), "status.json"), NodeStatus.from_json)
 
 
+def node_statuses(layout: JobLayout) -> dict[str, NodeStatus]:
+    """Every node run's last status, by key, as an operator (or a test) finds them on the
+    job's storage without asking the orchestrator."""
+    try:
+        urls = storage.glob(join(layout.url, NODES, "*", "status.json"))
+    except FileNotFoundError:
+        return {}
+    found = {}
+    for url in urls:
+        key = url.rstrip("/").rsplit("/", 2)[-2]
+        if (status := read_status(layout, key)) is not None:
+            found[key] = status
+    return found
+
+
+def running_node(layout: JobLayout, node_rank: int) -> NodeStatus | None:
+    """The status of the node run that runs ``node_rank`` of the current attempt, if any."""
+    running = [
+        s
+        for s in node_statuses(layout).values()
+        if s.state == NodeState.RUNNING and s.node_rank == node_rank
+    ]
+    return max(running, key=lambda s: s.attempt or 0, default=None)
+
+
 def write_order(layout: JobLayout, key: str, order: Order) -> None:
     storage.write_text(join(node_folder(layout, key), "order.json"), order.to_json())
 

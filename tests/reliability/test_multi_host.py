@@ -24,13 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from infra import storage
 from infra.accounting import clocks, host_offsets
 from infra.accounting.ett import compute_report, report_for_job
 from infra.accounting.ledger_read import LedgerFile, ledger_of, read_files
 from infra.devstack import servers
-from infra.job_layout import JobLayout
-from infra.node_protocol import ENV_ADVERTISE, ENV_SCRATCH, NODES, NodeState, read_status
+from infra.node_protocol import ENV_ADVERTISE, ENV_SCRATCH, node_statuses, running_node
 from infra.settings import JobConfig
 from tests import procs
 from tests.factories import assert_bit_identical, tiny_config, write_dataset
@@ -110,25 +108,16 @@ class HostsJob:
     hosts: list[Host]
     workers: list[subprocess.Popen[bytes]]
 
-    def running(self, node_rank: int):
-        """The status of the node run that runs ``node_rank`` now, if any."""
-        layout = self.config.layout
-        try:
-            keys = [k.rstrip("/").rsplit("/", 1)[-1] for k in storage.listdir(_nodes(layout))]
-        except FileNotFoundError:
-            return None
-        for key in keys:
-            status = read_status(layout, key)
-            if status and status.state == NodeState.RUNNING and status.node_rank == node_rank:
-                return status
-        return None
-
     def wait_for_step(self, step: int, timeout: float = 240) -> None:
-        def past() -> bool:
-            status = self.running(0)
-            return bool(status and status.progress and status.progress.step >= step)
-
-        self.train.wait_until(f"node 0 past step {step}", past, timeout)
+        """Until node 0's status (on storage, rewritten every second) says ``step``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status = running_node(self.config.layout, 0)
+            if status and status.progress and status.progress.step >= step:
+                return
+            assert self.train.proc.poll() is None, f"ett exited:\n{self.train.tail()}"
+            assert time.monotonic() < deadline, f"no step {step}:\n{self.train.tail()}"
+            time.sleep(0.5)
 
     def left_on_hosts(self) -> list[int]:
         """Processes of the job still on any host once it is over: those that carry a
@@ -147,10 +136,6 @@ class HostsJob:
                 break
             time.sleep(0.2)
         return found
-
-
-def _nodes(layout: JobLayout) -> str:
-    return storage.join(layout.url, NODES)
 
 
 @contextlib.contextmanager
@@ -196,12 +181,9 @@ def reference(
 def test_two_nodes_train_to_the_end_each_on_its_host(reference: JobConfig) -> None:
     report = report_for_job(reference.layout)
     assert report.finished and report.num_failures == 0
-    addresses = {json.loads(storage.read_text(url))["address"] for url in _statuses(reference)}
-    assert addresses == {"127.0.0.2", "127.0.0.3"}  # one node run on each host
-
-
-def _statuses(config: JobConfig) -> list[str]:
-    return storage.glob(storage.join(_nodes(config.layout), "*", "status.json"))
+    statuses = node_statuses(reference.layout).values()
+    assert {s.address for s in statuses} == {"127.0.0.2", "127.0.0.3"}  # one on each host
+    assert {s.node_rank for s in statuses} == {0, 1}
 
 
 def test_a_host_5_s_ahead_keeps_the_buckets_whole_and_ett_true(reference: JobConfig) -> None:
@@ -255,7 +237,7 @@ def test_a_node_run_killed_mid_job_recovers_bit_identical(
     config = _config(tmp_path, data_url, "hosts-kill")
     with hosts_job(tmp_path, config) as job:
         job.wait_for_step(25)
-        victim = job.running(1)
+        victim = running_node(config.layout, 1)
         assert victim is not None and victim.pid, "node 1 is not running"
         os.kill(victim.pid, signal.SIGKILL)
         _finished(job)
