@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -86,15 +88,20 @@ def checkpoint_tensors(ckpt_url: str) -> dict[str, Any]:
 
     from infra import storage
 
-    path = storage.local_path(ckpt_url)
-    metadata = dcp.FileSystemReader(path).read_metadata()
-    state = {
-        key: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.state_dict_metadata.items()
-        if isinstance(meta, TensorStorageMetadata)
-    }
-    dcp.load(state, checkpoint_id=path, no_dist=True)
-    return state
+    with contextlib.ExitStack() as stack:
+        path = storage.local_path(ckpt_url)
+        if path is None:  # object storage: read a copy, as it is stored
+            path = stack.enter_context(tempfile.TemporaryDirectory(prefix="ckpt-"))
+            fs, root = storage.split(ckpt_url)
+            fs.get(root.rstrip("/") + "/", path + "/", recursive=True)
+        metadata = dcp.FileSystemReader(path).read_metadata()
+        state = {
+            key: torch.empty(meta.size, dtype=meta.properties.dtype)
+            for key, meta in metadata.state_dict_metadata.items()
+            if isinstance(meta, TensorStorageMetadata)
+        }
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+        return state
 
 
 def assert_bit_identical(clean: JobConfig, faulted: JobConfig, steps: int) -> None:

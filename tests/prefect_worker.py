@@ -118,7 +118,7 @@ def node_workers(
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for n, host in enumerate(hosts):
-            host_env = {
+            worker_env = {
                 **os.environ,
                 "PREFECT_WORKER_QUERY_SECONDS": "1",
                 "PYTHONPATH": str(ROOT),
@@ -136,7 +136,7 @@ def node_workers(
                     subprocess.Popen(
                         cmd,
                         cwd=ROOT,
-                        env=host_env,
+                        env=worker_env,
                         stdout=fh,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,

@@ -192,7 +192,7 @@ def test_a_host_5_s_ahead_keeps_the_buckets_whole_and_ett_true(reference: JobCon
     SHIFT_S, its buckets sum to W, and W is no longer than the job ran."""
     files = read_files(reference.layout)
     skewed = [f for f in files if _host_of(f) == SKEWED]
-    assert skewed, "no ledger file of the skewed host"
+    assert skewed, f"no ledger file of the skewed host: {[(f.name, _host_of(f)) for f in files]}"
     read = ledger_of(files)
     [measured] = [o for o in read.clock.offsets if o.what == f"host {SKEWED}"]
     assert abs(measured.offset_s - SHIFT_S) <= measured.error_s + 0.05
