@@ -47,6 +47,7 @@ CHECKPOINT_TESTS = (
 RECOVERY_TESTS = ("tests/reliability/test_recovery_paths.py",)
 GATE_TESTS = ("tests/publish/test_gate.py",)
 CLOCK_TESTS = ("tests/infra/test_clocks.py", "tests/reliability/test_ledger_times.py")
+FLEET_TESTS = ("tests/tasks/test_node_fleet.py",)
 
 BREAKS = (
     Break(
@@ -351,6 +352,54 @@ BREAKS = (
             "tests/tasks/test_agent_pool.py::"
             "test_a_same_size_edit_with_its_mtime_kept_changes_the_fingerprint",
         ),
+    ),
+    Break(
+        "B28",
+        "a node run whose heartbeat went silent is never found lost",
+        "tasks/remote_node.py",
+        (
+            (
+                "        if run.lost is None and run.beat is not None and now - run.beat_seen",
+                "        if False and run.beat is not None and now - run.beat_seen",
+            ),
+        ),
+        FLEET_TESTS,
+    ),
+    Break(
+        "B29",
+        "an attempt launches on the spares first, keeping the nodes that ran it parked",
+        "tasks/remote_node.py",
+        (
+            (
+                "sorted(parked, key=lambda r: r.spare)",
+                "sorted(parked, key=lambda r: not r.spare)",
+            ),
+        ),
+        FLEET_TESTS,
+    ),
+    Break(
+        "B30",
+        "a node run never finds its orchestrator gone (it outlives the job)",
+        "tasks/node_runner.py",
+        (
+            (
+                "return now - self._orchestrator_seen > self.config.recovery.node_timeout_s",
+                "return False",
+            ),
+        ),
+        FLEET_TESTS,
+    ),
+    Break(
+        "B31",
+        "a lost node run is forgotten but not cancelled (its flow run keeps its host)",
+        "tasks/remote_node.py",
+        (
+            (
+                "run.key, host, run.lost)\n                self.runs.cancel(run.run_id)\n",
+                "run.key, host, run.lost)\n",
+            ),
+        ),
+        FLEET_TESTS,
     ),
 )
 

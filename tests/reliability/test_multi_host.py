@@ -39,7 +39,8 @@ from tests.servers import STARTUP_TIMEOUT_S, prefect_api
 
 pytestmark = pytest.mark.slow
 
-STEPS = 60
+STEPS = 300  # the tiny model: long enough for a kill to land mid-job, seconds on 2 cores
+KILL_AT = 100
 SHIFT_S = 5.0  # the skewed host's clock runs this far ahead
 SKEWED = "skewed-host"  # its ledger's host name (ETT_FAULT_HOST_ID)
 ORCHESTRATOR_ADDRESS = "127.0.0.1"  # where the rendezvous and clock server listen
@@ -87,13 +88,16 @@ def data_url(s3_server: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     return url
 
 
-def _config(tmp_path: Path, data_url: str, job_id: str, **recovery: object) -> JobConfig:
+def _config(
+    tmp_path: Path, data_url: str, job_id: str, steps: int = STEPS, **recovery: object
+) -> JobConfig:
     return tiny_config(
         tmp_path,
         job_id=job_id,
         storage={"root": f"s3://ett/{job_id}-{uuid.uuid4().hex[:8]}"},
         data={"url": data_url},
-        train={"steps": STEPS, "log_every": 10},
+        train={"steps": steps, "log_every": 50},
+        checkpoint={"every_steps": 25},
         launch={"nnodes": 2, "nproc": 1, "work_pool": NODE_POOL},
         recovery={"backoff_s": 0, "max_failures": 2, "node_timeout_s": 10, **recovery},
     )
@@ -108,13 +112,14 @@ class HostsJob:
     hosts: list[Host]
     workers: list[subprocess.Popen[bytes]]
 
-    def wait_for_step(self, step: int, timeout: float = 240) -> None:
-        """Until node 0's status (on storage, rewritten every second) says ``step``."""
+    def wait_for_step(self, step: int, timeout: float = 240) -> int:
+        """Until node 0's status (on storage, rewritten every second) says ``step``; the
+        step it says."""
         deadline = time.monotonic() + timeout
         while True:
             status = running_node(self.config.layout, 0)
             if status and status.progress and status.progress.step >= step:
-                return
+                return status.progress.step
             assert self.train.proc.poll() is None, f"ett exited:\n{self.train.tail()}"
             assert time.monotonic() < deadline, f"no step {step}:\n{self.train.tail()}"
             time.sleep(0.5)
@@ -236,7 +241,7 @@ def test_a_node_run_killed_mid_job_recovers_bit_identical(
     both are relaunched, and the job ends with the reference's weights and nothing left."""
     config = _config(tmp_path, data_url, "hosts-kill")
     with hosts_job(tmp_path, config) as job:
-        job.wait_for_step(25)
+        job.wait_for_step(KILL_AT)
         victim = running_node(config.layout, 1)
         assert victim is not None and victim.pid, "node 1 is not running"
         os.kill(victim.pid, signal.SIGKILL)
@@ -248,17 +253,17 @@ def test_a_node_run_killed_mid_job_recovers_bit_identical(
 
 
 def test_the_prefect_server_restarted_mid_job_and_the_job_finishes(
-    prefect: RestartablePrefect, reference: JobConfig, data_url: str, tmp_path: Path
+    prefect: RestartablePrefect, data_url: str, tmp_path: Path
 ) -> None:
-    """The API goes away for as long as a restart takes; the node runs train on (their
-    heartbeats and progress go through storage) and the job ends as if nothing happened."""
-    config = _config(tmp_path, data_url, "hosts-api")
+    """The API goes away for as long as a restart takes: the node runs train on while it is
+    down (orders, heartbeats and progress go through storage), and the job ends with no
+    failure once it is back."""
+    config = _config(tmp_path, data_url, "hosts-api", steps=3 * STEPS)
     with hosts_job(tmp_path, config) as job:
-        job.wait_for_step(15)
+        before = job.wait_for_step(50)
         prefect.stop()
-        time.sleep(3)
+        job.wait_for_step(before + 50)  # trained on with no API
         prefect.start()
         _finished(job)
     report = report_for_job(config.layout)
-    assert report.finished and report.num_failures == 0
-    assert_bit_identical(reference, config, STEPS)
+    assert report.finished and report.num_failures == 0 and report.num_steps == 3 * STEPS

@@ -26,7 +26,9 @@ from infra.node_protocol import (
     NodeStatus,
     Order,
     OrderKind,
+    node_statuses,
     read_status,
+    running_node,
 )
 from infra.settings import JobConfig
 from tasks.orchestrator import JobObserver, run
@@ -129,6 +131,7 @@ def test_without_a_spare_the_relaunch_waits_for_a_new_node_run(node_runs) -> Non
     assert status is not None and status.attempt == 1 and status.exit_code == 0
 
 
+@pytest.mark.timeout(120)  # a heartbeat check that is off would wait for ever
 def test_a_silent_node_run_is_found_lost_by_its_heartbeat(node_runs) -> None:
     """SIGSTOP: the node run's process is there, its flow run says nothing, its heartbeat
     stops. Lost after node_timeout_s, cancelled, and the job goes on on the spare."""
@@ -165,8 +168,8 @@ def test_node_runs_end_when_their_orchestrator_is_killed(node_runs, tmp_path: Pa
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            statuses = [s for s in _statuses(config) if s.state == NodeState.RUNNING]
-            if statuses and statuses[0].progress is not None and statuses[0].progress.step > 5:
+            zero = running_node(config.layout, 0)
+            if zero is not None and zero.progress is not None and zero.progress.step > 5:
                 break
             time.sleep(0.2)
         else:
@@ -177,17 +180,10 @@ def test_node_runs_end_when_their_orchestrator_is_killed(node_runs, tmp_path: Pa
         while procs.carrying(**{MARKER: str(tmp_path)}) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert procs.carrying(**{MARKER: str(tmp_path)}) == []
-        assert all(s.state == NodeState.ENDED for s in _statuses(config))
+        assert all(s.state == NodeState.ENDED for s in node_statuses(config.layout).values())
     finally:
         if proc.poll() is None:
             proc.kill()
-
-
-def _statuses(config: JobConfig) -> list[NodeStatus]:
-    folder = storage.join(config.layout.url, "nodes")
-    keys = [u.rsplit("/", 1)[-1] for u in storage.listdir(folder)] if storage.exists(folder) else []
-    found = [read_status(config.layout, k) for k in keys if not k.endswith(".json")]
-    return [s for s in found if s is not None]
 
 
 def test_a_host_whose_clock_runs_5_s_ahead_is_measured_and_moved_back(node_runs) -> None:
