@@ -94,7 +94,7 @@ def kill_node_at(layout: JobLayout, step: int, host_of: dict[str, Host] | None) 
             zero = running_node(layout, 0)
             if zero and zero.progress and zero.progress.step >= step:
                 break
-            time.sleep(0.5)
+            time.sleep(0.2)
         victim = running_node(layout, 1)
         if victim is None:
             raise RuntimeError("node 1 is not running")
@@ -129,26 +129,13 @@ def spare_config(work: Path, data_url: str, spare: int, rep: int, args: Any) -> 
 
 
 def spare_job(work: Path, data_url: str, spare: int, rep: int, args: Any) -> dict[str, Any]:
-    from tasks.orchestrator import run
+    from benchmarks.bench_recovery import one_failure  # imports Prefect: after cluster()
 
     config = spare_config(work, data_url, spare, rep, args)
     killer = kill_node_at(config.layout, args.kill_at, None)
-    started = time.perf_counter()
-    outcome = run(config).outcome
-    wall = time.perf_counter() - started
+    measured = one_failure(config)
     killer.join(timeout=5)
-    if not outcome.succeeded:
-        raise RuntimeError(f"{config.job_id}: {outcome.message}")
-    report = report_for_job(config.layout)
-    (failure,) = report.failures
-    return {
-        "spare_nodes": spare,
-        "repeat": rep,
-        "outcomes": [str(a.outcome) for a in outcome.attempts],
-        "time_to_recover_s": round(failure.time_to_recover_s, 3),
-        "ett_pct": round(report.ett_pct, 2),
-        "job_wall_s": round(wall, 1),
-    }
+    return {"spare_nodes": spare, "repeat": rep, **measured}
 
 
 def bench_spare(work: Path, args: Any) -> dict[str, Any]:
@@ -233,13 +220,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("what", choices=("spare", "headline"))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, help="spare: 120, headline: 5000")
-    parser.add_argument("--kill-at", type=int, default=50, help="spare: node 0's step")
+    parser.add_argument("--steps", type=int, help="spare: 400, headline: 5000")
+    parser.add_argument("--kill-at", type=int, default=60, help="spare: node 0's step")
     parser.add_argument("--poll-s", type=float, default=10.0, help="the workers' poll interval")
     parser.add_argument("--work-dir")
     parser.add_argument("--out")
     args = parser.parse_args()
-    args.steps = args.steps or (120 if args.what == "spare" else 5000)
+    args.steps = args.steps or (400 if args.what == "spare" else 5000)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix=f"bench-hosts-{args.what}-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()

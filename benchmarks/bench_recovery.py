@@ -94,21 +94,19 @@ class KillAttemptAt(JobObserver):
                 os.kill(pid, signal.SIGKILL)
 
 
-def one(kind: str, mode: str, rep: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    config = job_config(work, kind, mode, rep, args)
-    marker = f"{work}/{config.job_id}"
-    observer = KillAttemptAt(args.at, marker) if kind == "sigkill_attempt" else None
+def one_failure(
+    config: JobConfig, observer: JobObserver | None = None, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run a job that fails once and recovers; its row's measured columns (Time to Recover
+    from the job's ETT report)."""
     started = time.perf_counter()
-    outcome = run(config, observer, env={MARKER: marker}).outcome
+    outcome = run(config, observer, env=env).outcome
     wall = time.perf_counter() - started
     if not outcome.succeeded:
         raise RuntimeError(f"{config.job_id}: {outcome.message}")
     report = report_for_job(config.layout)
     (failure,) = report.failures
     return {
-        "kind": kind,
-        "mode": mode,
-        "repeat": rep,
         "outcomes": [str(a.outcome) for a in outcome.attempts],
         "in_process": failure.in_process,
         "time_to_recover_s": round(failure.time_to_recover_s, 3),
@@ -116,6 +114,14 @@ def one(kind: str, mode: str, rep: int, work: Path, args: argparse.Namespace) ->
         "ett_pct": round(report.ett_pct, 2),
         "job_wall_s": round(wall, 1),
     }
+
+
+def one(kind: str, mode: str, rep: int, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    config = job_config(work, kind, mode, rep, args)
+    marker = f"{work}/{config.job_id}"
+    observer = KillAttemptAt(args.at, marker) if kind == "sigkill_attempt" else None
+    measured = one_failure(config, observer, env={MARKER: marker})
+    return {"kind": kind, "mode": mode, "repeat": rep, **measured}
 
 
 def main() -> int:
