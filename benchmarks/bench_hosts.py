@@ -90,14 +90,12 @@ def kill_node_at(layout: JobLayout, step: int, host_of: dict[str, Host] | None) 
     ``host_of`` (address -> host) every process of node 1's host, its worker too."""
 
     def watch() -> None:
-        while True:
-            zero = running_node(layout, 0)
-            if zero and zero.progress and zero.progress.step >= step:
+        while True:  # until node 0 is past ``step`` with node 1 running beside it
+            zero, victim = running_node(layout, 0), running_node(layout, 1)
+            past = zero is not None and zero.progress and zero.progress.step >= step
+            if past and victim is not None:
                 break
             time.sleep(0.2)
-        victim = running_node(layout, 1)
-        if victim is None:
-            raise RuntimeError("node 1 is not running")
         if host_of is None:
             os.kill(victim.pid, signal.SIGKILL)
             return
@@ -105,7 +103,7 @@ def kill_node_at(layout: JobLayout, step: int, host_of: dict[str, Host] | None) 
         for pid in procs.carrying(**{ENV_SCRATCH: scratch}):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        print(f"# host {victim.address} gone at step {zero.progress.step}", flush=True)
+        print(f"# host {victim.address} gone at step {step}+", flush=True)
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
