@@ -1,7 +1,9 @@
 """Injected failures (crash, SIGKILL, SIGTERM, hang) at a chosen step of a chosen attempt.
 
 Used by the demo, the tests and the benchmarks to exercise recovery for real: the process
-really dies, really gets preempted or really stops making progress.
+really dies, really gets preempted or really stops making progress. ``ETT_FAULT_STEP_DELAY_S``
+in a process's environment makes each of its steps that much slower (a slow host): a test
+that must act mid-job gets a job that lasts, however fast the machine.
 """
 
 from __future__ import annotations
@@ -28,15 +30,29 @@ CHECKPOINT_PHASES = {
 }
 
 
+ENV_STEP_DELAY = "ETT_FAULT_STEP_DELAY_S"
+
+
+def _step_delay() -> float:
+    try:
+        return max(0.0, float(os.environ.get(ENV_STEP_DELAY, "0") or 0))
+    except ValueError:
+        log.warning("%s is not a number: ignored", ENV_STEP_DELAY)
+        return 0.0
+
+
 class FaultInjector:
     """Fires the faults of this attempt when the loop reaches their step."""
 
     def __init__(self, faults: tuple[FaultConfig, ...], attempt: int, rank: int) -> None:
         self.rank = rank
         self.pending = {f.step: f for f in faults if f.attempt == attempt}
+        self.step_delay_s = _step_delay()
 
     def at_step(self, step: int) -> None:
         """Called at the start of each step."""
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
         fault = self.pending.get(step)
         if fault is None or fault.kind in CHECKPOINT_PHASES:
             return
