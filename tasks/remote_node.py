@@ -11,7 +11,9 @@ hosts that are warm. A node run is **lost** when its flow run ended without bein
 ``recovery.node_timeout_s`` (its host gone): it is cancelled, forgotten, and another is
 submitted in its place. An attempt that lost a node fails (``128 + SIGKILL``); the next one
 launches on the survivors and a spare, which parked long before, instead of waiting for a
-fresh host to be placed and to import.
+fresh host to be placed and to import. The spare used up is replaced only once that attempt
+trains: placing and importing a node run costs its host's CPU and the pool's capacity, and
+neither may delay the relaunch it is there to speed up.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Protocol
 from infra import storage
 from infra.accounting import clocks
 from infra.clock_sync import ClockServer
-from infra.control import Command, JobState, Progress
+from infra.control import Command, JobState, Phase, Progress
 from infra.node_protocol import (
     HEARTBEAT_S,
     Launch,
@@ -98,6 +100,8 @@ class NodeFleet:
         self._beat = threading.Thread(target=self._heartbeat, daemon=True)
         self._lock = threading.Lock()
         self.clock: ClockServer | None = None  # what the nodes measure their clocks against
+        self._launched = -1  # the last attempt launched
+        self._spares_after: int | None = None  # spares wait until an attempt past this trains
 
     # -- the fleet's life -------------------------------------------------------------------
     def start(self) -> None:
@@ -140,8 +144,10 @@ class NodeFleet:
             self.log.warning("orchestrator heartbeat not written: %s", exc)
 
     def _fill(self) -> None:
-        """Submit node runs until the fleet has ``wanted`` of them (lost ones replaced)."""
-        while len(self.members) < self.wanted:
+        """Submit node runs until the fleet has ``wanted`` of them (lost ones replaced), or
+        only ``nnodes`` while the spares wait for the relaunch to train."""
+        limit = self.wanted if self._spares_after is None else self.nnodes
+        while len(self.members) < limit:
             key = f"n{next(self._counter):03d}-{uuid.uuid4().hex[:6]}"
             spare = len(self.members) >= self.nnodes
             run = NodeRun(key, self.runs.submit(key), spare)
@@ -182,9 +188,25 @@ class NodeFleet:
                 host = run.status.host if run.status is not None else "not yet placed"
                 self.log.warning("node run %s (%s) lost: %s", run.key, host, run.lost)
                 self.runs.cancel(run.run_id)
+            if any(not r.spare for r in gone):  # a node of the attempt: a spare takes its place
+                self._spares_after = self._launched
             if gone:
                 self._fill()
+            elif self._spares_after is not None and self._trains_after(self._spares_after):
+                self._spares_after = None
+                self._fill()
             return gone
+
+    def _trains_after(self, attempt: int) -> bool:
+        """Whether an attempt later than ``attempt`` has reported a training step."""
+        return any(
+            r.status is not None
+            and r.status.attempt is not None
+            and r.status.attempt > attempt
+            and r.status.progress is not None
+            and r.status.progress.phase == Phase.TRAINING
+            for r in self.members
+        )
 
     # -- launching --------------------------------------------------------------------------
     def launch(
@@ -211,6 +233,7 @@ class NodeFleet:
         for run in self.members:
             if run not in chosen:
                 run.spare = True
+        self._launched = number
         run_id = f"{self.config.job_id}-attempt{number}"
         nodes = []
         for rank, run in enumerate(chosen):

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +55,7 @@ class SubprocessNodeRuns:
         self.url, self.hosts, self.env = layout_url, hosts, env
         self.seams = seams or {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.submitted: dict[str, float] = {}  # key -> Unix time of its submission
         self.placed: dict[str, Host] = {}
         self.pending: list[str] = []
         self.cancelled: set[str] = set()
@@ -63,6 +65,7 @@ class SubprocessNodeRuns:
         self._placer.start()
 
     def submit(self, key: str) -> str:
+        self.submitted[key] = time.time()
         with self._lock:
             self.pending.append(key)
             self._place()

@@ -108,7 +108,8 @@ def test_orders_and_statuses_round_trip_through_json() -> None:
 
 def test_a_node_run_killed_mid_job_is_replaced_by_the_spare_at_once(node_runs) -> None:
     """spare_nodes 1: the attempt after the loss launches on the spare, which parked long
-    before, while a replacement is placed behind it; the job ends on the spare."""
+    before; a replacement is placed behind it once that attempt trains; the job ends on the
+    spare."""
     config, runs = node_runs(spare_nodes=1)
     killer = KillRunningNode(config, runs, signal.SIGKILL)
     result = run(config, killer, node_runs=runs)
@@ -120,7 +121,12 @@ def test_a_node_run_killed_mid_job_is_replaced_by_the_spare_at_once(node_runs) -
     assert lost == first  # attempt 0 ran on the first node run, the spare parked
     status = read_status(config.layout, spare)
     assert status is not None and status.attempt == 1 and status.exit_code == 0
-    assert len(runs.procs) == 3  # the replacement, submitted after the loss
+    assert len(runs.procs) == 3  # the replacement, submitted after the loss...
+    [replacement] = [key for key in runs.procs if key not in (first, spare)]
+    started = status.progress.started if status.progress is not None else None
+    assert started is not None and runs.submitted[replacement] > started, (
+        "...only once the relaunch trains: it must not compete with the relaunch"
+    )
     report = result.summary.report if result.summary is not None else None
     assert report is not None and report.finished and report.num_failures == 1
 
