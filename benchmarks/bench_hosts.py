@@ -11,7 +11,8 @@ server`` and moto's S3, the only storage the hosts share, run on loopback
   Time to Recover comes from the job's ETT report: from the failed attempt's last event to
   the first step of the next. The workers poll the pool every ``--poll-s`` (Prefect's
   default, 10 s): without a spare the replacement waits for a worker to pick it up, start
-  its process and import.
+  its process and import. Each step lasts at least ``--step-delay-s`` (the slow-host fault
+  of trainer/faults.py), so the kill lands mid-job however fast the machine.
 - ``headline``: benchmarks/bench_ett.py's optimized job (the demo model and data,
   ``--steps``) through the ``train`` flow on 2 hosts x 1 rank and a spare host: a crash at
   24% of the steps, the loss of the host of node 1 at 50% (every process on it SIGKILLed,
@@ -47,19 +48,22 @@ from benchmarks.save import save_json  # noqa: E402
 from infra.accounting.ett import report_for_job  # noqa: E402
 from infra.devstack import servers  # noqa: E402
 from infra.job_layout import JobLayout  # noqa: E402
-from infra.node_protocol import ENV_ADVERTISE, ENV_SCRATCH, running_node  # noqa: E402
+from infra.node_protocol import ENV_ADVERTISE, ENV_SCRATCH, attempt_nodes  # noqa: E402
 from infra.settings import JobConfig, dump_config, load_config  # noqa: E402
 from tests import procs  # noqa: E402
 from tests.node_hosts import Host, hosts  # noqa: E402
+from trainer.faults import ENV_STEP_DELAY  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results"
 ORCHESTRATOR_ADDRESS = "127.0.0.1"
 
 
 @contextlib.contextmanager
-def cluster(work: Path, count: int, poll_s: float) -> Iterator[tuple[list[Host], list[Any]]]:
+def cluster(
+    work: Path, count: int, poll_s: float, host_env: dict[str, str] | None = None
+) -> Iterator[tuple[list[Host], list[Any]]]:
     """S3 and a Prefect server on loopback, the deployments, and ``count`` hosts with a node
-    worker each; everything stopped afterwards."""
+    worker each (``host_env`` in their environment); everything stopped afterwards."""
     state = work / "servers"
     s3, prefect = servers.launch("s3", state), servers.launch("prefect", state)
     try:
@@ -78,7 +82,7 @@ def cluster(work: Path, count: int, poll_s: float) -> Iterator[tuple[list[Host],
 
         deploy()
         placed = hosts(work, count)
-        env = {"PREFECT_WORKER_QUERY_SECONDS": f"{poll_s:g}"}
+        env = {"PREFECT_WORKER_QUERY_SECONDS": f"{poll_s:g}", **(host_env or {})}
         with node_workers(placed, env, work) as workers:
             yield placed, workers
     finally:
@@ -86,14 +90,14 @@ def cluster(work: Path, count: int, poll_s: float) -> Iterator[tuple[list[Host],
 
 
 def kill_node_at(layout: JobLayout, step: int, host_of: dict[str, Host] | None) -> threading.Thread:
-    """From outside, once node 0 has passed ``step``: SIGKILL node 1's run, or with
-    ``host_of`` (address -> host) every process of node 1's host, its worker too."""
+    """From outside, once the job is past ``step``: SIGKILL the run of a node without rank 0,
+    or with ``host_of`` (address -> host) every process of its host, its worker too."""
 
     def watch() -> None:
-        while True:  # until node 0 is past ``step`` with node 1 running beside it
-            zero, victim = running_node(layout, 0), running_node(layout, 1)
-            past = zero is not None and zero.progress and zero.progress.step >= step
-            if past and victim is not None:
+        while True:  # until rank 0's node is past ``step`` with another running beside it
+            nodes = attempt_nodes(layout)
+            lead, victim = (nodes[0], nodes[-1]) if len(nodes) > 1 else (None, None)
+            if lead and lead.progress and lead.progress.step >= step and victim:
                 break
             time.sleep(0.2)
         if host_of is None:
@@ -140,7 +144,8 @@ def bench_spare(work: Path, args: Any) -> dict[str, Any]:
     from tests.factories import tiny_config, write_dataset
 
     rows: list[dict[str, Any]] = []
-    with cluster(work, 3, args.poll_s):
+    slow = {ENV_STEP_DELAY: f"{args.step_delay_s:g}"}  # so the kill lands mid-job
+    with cluster(work, 3, args.poll_s, slow):
         data_url = "s3://ett/bench-hosts/data"
         write_dataset(tiny_config(work / "data", data={"url": data_url}))
         for rep in range(args.repeats):
@@ -219,8 +224,11 @@ def main() -> int:
     parser.add_argument("what", choices=("spare", "headline"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, help="spare: 400, headline: 5000")
-    parser.add_argument("--kill-at", type=int, default=60, help="spare: node 0's step")
+    parser.add_argument("--kill-at", type=int, default=60, help="spare: rank 0's step")
     parser.add_argument("--poll-s", type=float, default=10.0, help="the workers' poll interval")
+    parser.add_argument(
+        "--step-delay-s", type=float, default=0.02, help="spare: each step at least this long"
+    )
     parser.add_argument("--work-dir")
     parser.add_argument("--out")
     args = parser.parse_args()

@@ -105,6 +105,10 @@ def one_failure(
     if not outcome.succeeded:
         raise RuntimeError(f"{config.job_id}: {outcome.message}")
     report = report_for_job(config.layout)
+    if len(report.failures) != 1:
+        raise RuntimeError(
+            f"{config.job_id}: {len(report.failures)} failures, not 1 (the fault missed its step?)"
+        )
     (failure,) = report.failures
     return {
         "outcomes": [str(a.outcome) for a in outcome.attempts],

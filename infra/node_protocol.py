@@ -160,14 +160,14 @@ def node_statuses(layout: JobLayout) -> dict[str, NodeStatus]:
     return found
 
 
-def running_node(layout: JobLayout, node_rank: int) -> NodeStatus | None:
-    """The status of the node run that runs ``node_rank`` of the current attempt, if any."""
-    running = [
-        s
-        for s in node_statuses(layout).values()
-        if s.state == NodeState.RUNNING and s.node_rank == node_rank
-    ]
-    return max(running, key=lambda s: s.attempt or 0, default=None)
+def attempt_nodes(layout: JobLayout) -> list[NodeStatus]:
+    """The running node runs of the newest attempt, the one whose status carries progress
+    first: it holds global rank 0. torchrun's c10d rendezvous orders ranks by the nodes'
+    addresses, not by the launch's node rank, so rank 0 may be on any node."""
+    running = [s for s in node_statuses(layout).values() if s.state == NodeState.RUNNING]
+    newest = max((s.attempt or 0 for s in running), default=0)
+    nodes = [s for s in running if (s.attempt or 0) == newest]
+    return sorted(nodes, key=lambda s: (s.progress is None, s.node_rank or 0))
 
 
 def write_order(layout: JobLayout, key: str, order: Order) -> None:

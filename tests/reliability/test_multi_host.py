@@ -29,7 +29,7 @@ from infra.accounting import clocks, host_offsets
 from infra.accounting.ett import compute_report, report_for_job
 from infra.accounting.ledger_read import LedgerFile, ledger_of, read_files
 from infra.devstack import servers
-from infra.node_protocol import ENV_ADVERTISE, ENV_SCRATCH, node_statuses, running_node
+from infra.node_protocol import ENV_ADVERTISE, ENV_SCRATCH, attempt_nodes, node_statuses
 from infra.settings import JobConfig
 from tests import procs
 from tests.factories import assert_bit_identical, tiny_config, write_dataset
@@ -117,18 +117,18 @@ class HostsJob:
     workers: list[subprocess.Popen[bytes]]
 
     def wait_for_step(self, step: int, timeout: float = 240) -> int:
-        """Until node 0's status (on storage, rewritten every second) says ``step``; the
-        step it says."""
+        """Until the status of the node that holds rank 0 (on storage, rewritten every
+        second) says ``step``; the step it says."""
         deadline = time.monotonic() + timeout
-        seen: list[tuple[float, int | None]] = []  # when, and which step, node 0 said
+        seen: list[tuple[float, int | None]] = []  # when, and which step, it said
         while True:
-            status = running_node(self.config.layout, 0)
+            status = next(iter(attempt_nodes(self.config.layout)), None)
             if status and status.progress and status.progress.step >= step:
                 return status.progress.step
             seen.append(
                 (time.monotonic(), status.progress.step if status and status.progress else None)
             )
-            said = f"node 0 said {seen[-8:]}\n{self.train.tail()}"
+            said = f"rank 0's node said {seen[-8:]}\n{self.train.tail()}"
             assert self.train.proc.poll() is None, f"ett exited before step {step}; {said}"
             assert time.monotonic() < deadline, f"no step {step}; {said}"
             time.sleep(0.2)
@@ -186,7 +186,7 @@ class Reference:
     """The module's uninterrupted job, and how far it trained while the API was down."""
 
     config: JobConfig
-    step_at_stop: int  # node 0's step when the Prefect server was stopped
+    step_at_stop: int  # rank 0's step when the Prefect server was stopped
     step_while_down: int  # ...and the step it reached before the server was started again
     api_answered: str | None  # what the API answered then (None: it was up)
 
@@ -273,13 +273,14 @@ def _moved_back(file: LedgerFile) -> LedgerFile:
 def test_a_node_run_killed_mid_job_recovers_bit_identical(
     reference: Reference, data_url: str, tmp_path: Path
 ) -> None:
-    """Node 1's run is SIGKILLed from outside mid-job: the loss is found, node 0 is ended,
-    both are relaunched, and the job ends with the reference's weights and nothing left."""
+    """The run of the node without rank 0 is SIGKILLed from outside mid-job: the loss is
+    found, the other node is ended, both are relaunched, and the job ends with the
+    reference's weights and nothing left."""
     config = _config(tmp_path, data_url, "hosts-kill")
     with hosts_job(tmp_path, config) as job:
         job.wait_for_step(KILL_AT)
-        victim = running_node(config.layout, 1)
-        assert victim is not None and victim.pid, "node 1 is not running"
+        victim = attempt_nodes(config.layout)[-1]  # the node without rank 0
+        assert victim.pid and victim.progress is None, "the other node is not running"
         os.kill(victim.pid, signal.SIGKILL)
         _finished(job)
     report = report_for_job(config.layout)

@@ -27,9 +27,9 @@ from infra.node_protocol import (
     NodeStatus,
     Order,
     OrderKind,
+    attempt_nodes,
     node_statuses,
     read_status,
-    running_node,
 )
 from infra.settings import JobConfig
 from tasks.orchestrator import JobObserver, run
@@ -179,7 +179,7 @@ def test_node_runs_end_when_their_orchestrator_is_killed(node_runs, tmp_path: Pa
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            zero = running_node(config.layout, 0)
+            zero = next(iter(attempt_nodes(config.layout)), None)
             if zero is not None and zero.progress is not None and zero.progress.step > 5:
                 break
             time.sleep(0.2)
