@@ -191,9 +191,18 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
         ),
         ("measured_nodes", int, "nodes of the measured runs (default %(default)d)"),
     ]
+    # The per-node restart term: a number, or the fit of measured relaunches; not both.
+    restart_term = p.add_mutually_exclusive_group()
     for field, kind, help_text in laws:
         flag = "--" + field.replace("_", "-")
-        p.add_argument(flag, type=kind, default=getattr(ScalingLaws, field), help=help_text)
+        where = restart_term if field == "rendezvous_s_per_node" else p
+        where.add_argument(flag, type=kind, default=getattr(ScalingLaws, field), help=help_text)
+    restart_term.add_argument(
+        "--relaunch-fit",
+        metavar="JSON",
+        help="set the per-node restart term to the slope fitted to measured relaunches "
+        "(benchmarks/bench_relaunch_nodes.py's result, e.g. docs/results/relaunch-nodes.json)",
+    )
     p.add_argument(
         "--runs", type=int, default=300, help="seeded Monte Carlo runs per point (default 300)"
     )

@@ -272,7 +272,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from infra import storage
     from infra.job_layout import JobLayout
     from infra.tables import show
-    from infra.whatif.scaling import ScalingLaws
+    from infra.whatif.scaling import ScalingLaws, read_restart_fit
     from infra.whatif.simulate_report import run_simulate, tables, write_outputs
 
     config = _config(args)
@@ -294,6 +294,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             rendezvous_s_per_node=args.rendezvous_s_per_node,
             measured_nodes=args.measured_nodes,
         )
+        if args.relaunch_fit:
+            laws = ScalingLaws.from_fit(read_restart_fit(args.relaunch_fit), laws)
         out = run_simulate(
             jobs, laws, args.days, args.tolerance, args.runs, args.seed, args.validate
         )

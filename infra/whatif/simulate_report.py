@@ -236,7 +236,8 @@ def plot_projection(p: Projection, path: str | Path) -> Path:
     per_day = p.laws.failures_per_gpu_day
     ax.set_title(
         f"Projected ETT% vs N: {p.work_s / DAY_S:g}-day job, {per_day:.3g} failures/GPU-day, "
-        f"restart +{p.laws.rendezvous_s_per_node:g} s/node",
+        f"restart +{p.laws.rendezvous_s_per_node:.3g} s/node"
+        f"{' (fitted)' if p.laws.restart_fit else ''}",
         fontsize=9,
     )
     ax.grid(True, which="both", alpha=0.3)

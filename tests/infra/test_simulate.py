@@ -18,7 +18,13 @@ from infra.accounting.ett import report_for_job
 from infra.job_layout import JobLayout
 from infra.whatif.advisor import DAY_S
 from infra.whatif.projection import gpu_grid, project, scaled
-from infra.whatif.scaling import LLAMA3_FAILURES_PER_GPU_DAY, TABLE_GPUS, ScalingLaws
+from infra.whatif.scaling import (
+    LLAMA3_FAILURES_PER_GPU_DAY,
+    TABLE_GPUS,
+    ScalingLaws,
+    fit_restart,
+    read_restart_fit,
+)
 from infra.whatif.simulate import observed_failures, replay, validate
 from infra.whatif.simulated_job import FailureEvent, JobModel
 from tests.infra.modeled_job import Plan, write_modeled_job
@@ -85,6 +91,67 @@ def test_bad_scenarios_are_refused() -> None:
         project({"j": MODEL}, ScalingLaws(), work_s=0)
     with pytest.raises(ValueError, match="recovered from no failure"):
         project({"j": MODEL.with_changes(restart_by_cause={})}, ScalingLaws(), DAY_S)
+
+
+# -- the restart-versus-nodes fit -------------------------------------------------------------
+def test_the_restart_fit_recovers_a_known_line() -> None:
+    """Points on 7 + 1.5 x nodes, scattered symmetrically about it at each size: least
+    squares gives that line back."""
+    points = [(n, 7 + 1.5 * n + d) for n in (1, 2, 4, 8) for d in (-0.4, 0.4)]
+    fit = fit_restart(points, source="synthetic")
+    assert fit.slope_s_per_node == pytest.approx(1.5)
+    assert fit.intercept_s == pytest.approx(7.0)
+    assert not fit.clamped and len(fit.points) == 8
+    uneven = fit_restart([(1, 10.0), (2, 10.5), (4, 11.5)])  # 9.5 + 0.5 x nodes exactly
+    assert (uneven.slope_s_per_node, uneven.intercept_s) == pytest.approx((0.5, 9.5))
+
+
+def test_a_negative_slope_is_held_at_zero() -> None:
+    """Restarts that got faster with more nodes (noise): slope 0, the line through the mean."""
+    fit = fit_restart([(1, 12.0), (2, 11.0), (4, 10.0)])
+    assert fit.clamped and fit.slope_s_per_node == 0.0
+    assert fit.intercept_s == pytest.approx(11.0)
+    assert "held at 0" in fit.describe()
+
+
+def test_a_fit_needs_two_node_counts() -> None:
+    for points in ([(2, 10.0), (2, 11.0), (2, 12.0)], [(1, 5.0)], []):
+        with pytest.raises(ValueError, match="2 or more distinct node counts"):
+            fit_restart(points)
+    with pytest.raises(ValueError, match="nodes >= 1"):
+        fit_restart([(0, 1.0), (2, 3.0)])
+
+
+def test_the_assumptions_say_whether_the_restart_term_is_fitted() -> None:
+    def restart_line(laws: ScalingLaws) -> str:
+        (line,) = [x for x in laws.describe() if x.startswith("restart and first start")]
+        return line
+
+    assumed = restart_line(ScalingLaws())
+    assert "assumed" in assumed and "fitted" not in assumed
+    assert "given with --rendezvous-s-per-node" in restart_line(
+        ScalingLaws(rendezvous_s_per_node=0.2)
+    )
+    fit = fit_restart([(1, 10.0), (2, 10.5), (4, 11.5)], source="relaunch.json")
+    laws = ScalingLaws.from_fit(fit, ScalingLaws(gpus_per_node=4))
+    assert (laws.rendezvous_s_per_node, laws.gpus_per_node) == (0.5, 4)
+    fitted = restart_line(laws)
+    assert "fitted to 3 measured restarts at 1, 2, 4 nodes (relaunch.json)" in fitted
+    assert "measured + 0.5 s x (nodes - 1)" in fitted and "assumed" not in fitted
+    assert laws.rendezvous_extra_s(16_384) == pytest.approx(0.5 * (4096 - 1))
+    with pytest.raises(ValueError, match="from_fit"):  # a term that is not its fit's slope
+        ScalingLaws(rendezvous_s_per_node=0.05, restart_fit=fit)
+
+
+def test_a_relaunch_benchmarks_result_is_read_and_fitted(tmp_path: Path) -> None:
+    path = tmp_path / "relaunch.json"
+    path.write_text(json.dumps({"fit_points": [[1, 4.0], [2, 6.0], [4, 10.0]]}))
+    fit = read_restart_fit(path)
+    assert (fit.slope_s_per_node, fit.intercept_s) == pytest.approx((2.0, 2.0))
+    assert fit.source == str(path)
+    path.write_text(json.dumps({"medians": {}}))
+    with pytest.raises(ValueError, match="fit_points"):
+        read_restart_fit(path)
 
 
 # -- the projection ---------------------------------------------------------------------------
@@ -257,12 +324,37 @@ def test_ett_simulate_command(tmp_path: Path) -> None:
     assert "Projection" not in proc.stdout
 
 
+def test_ett_simulate_with_a_relaunch_fit(tmp_path: Path) -> None:
+    """--relaunch-fit: the projection's restarts grow by the fitted slope, and the
+    assumptions say the term is fitted, from which file."""
+    job = tmp_path / "job"
+    write_modeled_job(str(job), Plan(blocking_s=2.0, failures=((33.0, "crash"),)))
+    fit = tmp_path / "relaunch.json"
+    fit.write_text(json.dumps({"fit_points": [[1, 4.0], [2, 6.0], [4, 10.0]]}))  # 2 s/node
+    out = tmp_path / "out"
+    proc = _ett(f"file://{job}", "--relaunch-fit", str(fit), "--runs", "5", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert f"fitted to 3 measured restarts at 1, 2, 4 nodes ({fit})" in proc.stdout
+    result = json.loads((out / "simulate.json").read_text())
+    laws = result["projection"]["laws"]
+    assert laws["rendezvous_s_per_node"] == pytest.approx(2.0)
+    assert laws["restart_fit"]["slope_s_per_node"] == pytest.approx(2.0)
+    (row,) = [r for r in result["projection"]["rows"] if r["gpus"] == 16_384]
+    (measured,) = [v["model"]["restart_s"] for v in result["validation"]]
+    (at_scale,) = [j["restart_s"] for j in row["jobs"].values()]
+    assert at_scale == pytest.approx(measured + 2.0 * (2048 - 1))
+
+    proc = _ett(f"file://{job}", "--relaunch-fit", str(fit), "--rendezvous-s-per-node", "1")
+    assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
+
+
 def test_ett_simulate_bad_input_is_one_line(tmp_path: Path) -> None:
     missing = f"file://{tmp_path}/nowhere"
     for args, needle in [
         (["--baseline", missing], "baseline"),
         ([], "give a job"),
         (["--baseline", missing, "--gpus-per-node", "0"], "at least 1"),
+        (["--baseline", missing, "--relaunch-fit", f"{tmp_path}/no-fit.json"], "no-fit.json"),
     ]:
         proc = _ett(*args, "--out", str(tmp_path / "out"))
         assert proc.returncode == 2, (args, proc.stderr)
