@@ -48,7 +48,13 @@ from benchmarks.save import save_json  # noqa: E402
 from infra.accounting.ett import report_for_job  # noqa: E402
 from infra.devstack import servers  # noqa: E402
 from infra.job_layout import JobLayout  # noqa: E402
-from infra.node_protocol import ENV_ADVERTISE, ENV_SCRATCH, attempt_nodes  # noqa: E402
+from infra.node_protocol import (  # noqa: E402
+    ENV_ADVERTISE,
+    ENV_SCRATCH,
+    NodeState,
+    attempt_nodes,
+    node_statuses,
+)
 from infra.settings import JobConfig, dump_config, load_config  # noqa: E402
 from tests import procs  # noqa: E402
 from tests.node_hosts import Host, hosts  # noqa: E402
@@ -90,14 +96,23 @@ def cluster(
 
 
 def kill_node_at(layout: JobLayout, step: int, host_of: dict[str, Host] | None) -> threading.Thread:
-    """From outside, once the job is past ``step``: SIGKILL the run of a node without rank 0,
-    or with ``host_of`` (address -> host) every process of its host, its worker too."""
+    """From outside, once the job is past ``step`` and every spare has imported: SIGKILL the
+    run of a node without rank 0, or with ``host_of`` (address -> host) every process of its
+    host, its worker too."""
 
     def watch() -> None:
-        while True:  # until rank 0's node is past ``step`` with another running beside it
-            nodes = attempt_nodes(layout)
+        said = None
+        while True:  # until rank 0's node is past ``step`` with another running beside it,
+            nodes = attempt_nodes(layout)  # and every spare has imported (as in a long job)
+            spares = [s for s in node_statuses(layout).values() if s.state == NodeState.PARKED]
+            running = [(n.attempt, n.address, n.progress is not None) for n in nodes]
+            seen = (running, [s.warm for s in spares])
+            if seen != said:
+                print(f"# {layout.url}: running (attempt, host, rank 0), spares warm {seen}")
+                said = seen
             lead, victim = (nodes[0], nodes[-1]) if len(nodes) > 1 else (None, None)
-            if lead and lead.progress and lead.progress.step >= step and victim:
+            past = lead and lead.progress and lead.progress.step >= step
+            if past and victim and all(s.warm is not False for s in spares):
                 break
             time.sleep(0.2)
         if host_of is None:

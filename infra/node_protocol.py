@@ -112,6 +112,7 @@ class NodeStatus:
     node_rank: int | None = None  # ...as this node
     exit_code: int | None = None  # that launch's, once it ended
     progress: Progress | None = None  # rank 0's, on the node that holds it
+    warm: bool | None = None  # an agent imported for its next launch (None: the host's pool)
 
     def to_json(self) -> str:
         data = asdict(self)

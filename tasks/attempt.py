@@ -189,8 +189,9 @@ class AttemptProcess:
 
     # -- looking at it ---------------------------------------------------------------------
     def progress(self) -> Progress | None:
-        """Rank 0's progress record (node 0 holds global rank 0)."""
-        return self.nodes[0].progress() if self.nodes else None
+        """Rank 0's progress record, from whichever node holds global rank 0: c10d orders
+        ranks by the agents' addresses (and pids), not by node rank."""
+        return next((p for node in self.nodes if (p := node.progress()) is not None), None)
 
     def poll(self) -> int | None:
         """The attempt's exit code once it is over, None while it runs.

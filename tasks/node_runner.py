@@ -141,6 +141,13 @@ class NodeRunner:
         self._state = NodeState.PARKED
         self._status(force=True)
 
+    def _warm(self) -> bool | None:
+        """Whether its own pool has an agent parked and imported; None with the host's pool
+        (``ett pool``), which it does not look into."""
+        if self._pool is None:
+            return None
+        return any(agent.ready for agent in list(self._pool.parked))
+
     def _close_pool(self) -> None:
         if self._pool is not None:
             self._pool.stop.set()  # serve() releases its parked agent as it returns
@@ -240,7 +247,7 @@ class NodeRunner:
     def _finish(self, code: int) -> None:
         attempt, launch = self._attempt, self._launch
         assert attempt is not None and launch is not None
-        self._progress = attempt.progress() if launch.node_rank == 0 else None  # the last
+        self._progress = attempt.progress()  # the last, if this node held rank 0
         attempt.end(0.0, preempt=False)  # what is left of it, its control folder
         if code:  # its ranks' unsent ledger events wait in their spools on this host
             recover_orphaned_spools(self.layout)
@@ -256,9 +263,9 @@ class NodeRunner:
             return
         self._next_status = now + HEARTBEAT_S
         launch, attempt = self._launch, self._attempt
-        progress = None
-        if launch is not None and launch.node_rank == 0:
-            progress = attempt.progress() if attempt is not None else self._progress
+        # Rank 0's progress, if its ranks include global rank 0: torchrun's c10d rendezvous
+        # orders ranks by address, so that may be any node of the launch, not node_rank 0.
+        progress = attempt.progress() if attempt is not None else self._progress
         status = NodeStatus(
             state=self._state,
             host=self.host,
@@ -270,6 +277,7 @@ class NodeRunner:
             node_rank=None if launch is None else launch.node_rank,
             exit_code=self._exit_code,
             progress=progress,
+            warm=self._warm(),
         )
         try:
             write_status(self.layout, self.key, status)

@@ -227,7 +227,7 @@ class NodeFleet:
                     "with a train-node deployment?)"
                 )
             time.sleep(STATUS_EVERY_S)
-        chosen = sorted(parked, key=lambda r: r.spare)[: self.nnodes]
+        chosen = sorted(parked, key=_preference)[: self.nnodes]
         for run in chosen:
             run.spare = False  # a spare promoted into a node's place is a node now
         for run in self.members:
@@ -266,6 +266,11 @@ class NodeFleet:
         except OSError as exc:
             self.log.warning("order for node run %s not written: %s", run.key, exc)
         return run.seq
+
+
+def _preference(run: NodeRun) -> tuple[bool, bool]:
+    """Nodes of the last attempt first, then spares whose agent has imported."""
+    return run.spare, run.status is not None and run.status.warm is False
 
 
 def _parked(run: NodeRun) -> bool:

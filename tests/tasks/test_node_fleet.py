@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -32,6 +33,8 @@ from infra.node_protocol import (
     read_status,
 )
 from infra.settings import JobConfig
+from tasks.attempt import AttemptProcess, LaunchSpec
+from tasks.node_runner import NodeRunner
 from tasks.orchestrator import JobObserver, run
 from tests import procs
 from tests.factories import tiny_config
@@ -102,7 +105,9 @@ def test_orders_and_statuses_round_trip_through_json() -> None:
     order = Order(7, OrderKind.LAUNCH, launch)
     assert Order.from_json(order.to_json()) == order
     progress = Progress(Phase.TRAINING, 12, 40, 99.5, 90.0, 1)
-    status = NodeStatus(NodeState.RUNNING, "h", "127.0.0.2", 100.0, 4711, 7, 3, 1, None, progress)
+    status = NodeStatus(
+        NodeState.RUNNING, "h", "127.0.0.2", 100.0, 4711, 7, 3, 1, None, progress, True
+    )
     assert NodeStatus.from_json(status.to_json()) == status
 
 
@@ -217,3 +222,29 @@ def test_a_host_whose_clock_runs_5_s_ahead_is_measured_and_moved_back(node_runs)
     clocks = [json.loads(line)["attrs"] for line in firsts]
     offsets = [c["measured_offset"] for c in clocks if "measured_offset" in c]
     assert offsets and all(-5.5 < o["offset_s"] < -4.5 for o in offsets), offsets
+
+
+class _Ranks:
+    """A launch's nodes as far as progress goes: only the one holding global rank 0 has it."""
+
+    def __init__(self, progress: Progress | None) -> None:
+        self._progress = progress
+
+    def progress(self) -> Progress | None:
+        return self._progress
+
+
+def test_rank_0s_progress_is_reported_from_whichever_node_holds_it(tmp_path: Path) -> None:
+    """c10d orders ranks by address, not by node rank: global rank 0 may run on node 1. Its
+    node run's status carries the progress, and a local attempt finds it on any node."""
+    progress = Progress(Phase.TRAINING, 12, 40, 99.5, 90.0)
+    config = _config(tmp_path)
+    runner = NodeRunner(config.layout, "n1", logging.getLogger("test"), scratch=str(tmp_path))
+    runner._launch = Launch(0, 1, 2, "orch:29400", "job-attempt0", {}, 0, 1.0, "")
+    runner._attempt = _Ranks(progress)  # type: ignore[assignment]
+    runner._status(force=True)
+    status = read_status(config.layout, "n1")
+    assert status is not None and status.node_rank == 1 and status.progress == progress
+    attempt = AttemptProcess(0, False, LaunchSpec.of(config, "unused.yaml"), logging.getLogger("t"))
+    attempt.nodes = [_Ranks(None), _Ranks(progress)]  # type: ignore[list-item]
+    assert attempt.progress() == progress
