@@ -203,11 +203,12 @@ def headline_config(work: Path, steps: int, job_id: str) -> JobConfig:
 
 def bench_headline(work: Path, args: Any) -> dict[str, Any]:
     from benchmarks.bench_ett import SCHEDULE, summarize
-    from flows.train_flow import train_flow
     from trainer.data.synthetic import generate
 
     (crash, crash_at), (_, loss_at), (preempt, preempt_at) = SCHEDULE
     with cluster(work, 3, args.poll_s) as (placed, _):
+        from flows.train_flow import train_flow  # Prefect reads the server's URL on import
+
         config = headline_config(work, args.steps, "hosts-headline")
         generate(config.data, config.data.url)
         warm = work / "prewarm.yaml"  # fills the shared compile cache, as bench_ett does
@@ -248,6 +249,9 @@ def main() -> int:
     parser.add_argument("--out")
     args = parser.parse_args()
     args.steps = args.steps or (400 if args.what == "spare" else 5000)
+    # SIGTERM (a timeout, a Ctrl-C's cousin) unwinds like an exception: the servers, workers
+    # and hosts this started are stopped by the context managers on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     work = Path(args.work_dir or tempfile.mkdtemp(prefix=f"bench-hosts-{args.what}-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
