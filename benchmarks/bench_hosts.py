@@ -226,7 +226,7 @@ def bench_headline(work: Path, args: Any) -> dict[str, Any]:
             config=str(path), overrides={"faults": faults, "recovery": {"backoff_s": 2.0}}
         )
         killer.join(timeout=5)
-    report = report_for_job(JobLayout.at(result["job_url"]))
+        report = report_for_job(JobLayout.at(result["job_url"]))  # while S3 is up
     row = summarize("2 hosts x 1 rank", report)
     row["attempts"] = result["attempts"]
     print(f"\nETT {row['ett_pct']:.1f}%, wall {row['wall_s']:.1f} s, lost {row['lost_s']:.1f} s")
