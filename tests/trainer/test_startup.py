@@ -218,6 +218,7 @@ class _StandbyControl:
         ("host", torch.device("cpu"), "host"),  # forced on a CPU: the GPU host's code path
         ("device", torch.device("cuda", 1), "device"),
     ],
+    ids=["auto-cuda", "auto-cpu", "host-cpu", "device-cuda"],
 )
 def test_a_standby_parked_host_side_leaves_the_device_stages_for_after_its_promotion(
     tmp_path: Path, knob: str, device: torch.device, park: str
