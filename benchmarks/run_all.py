@@ -19,6 +19,7 @@ BENCHMARKS = [
     "bench_towers.py",
     "bench_publish.py",
     "bench_recovery.py",
+    "bench_standby_park.py",
 ]
 
 
