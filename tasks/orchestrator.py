@@ -12,8 +12,8 @@ side evaluator, and every process ended. No Prefect here: ``ett train`` runs ``r
 whether the job goes on and how long it waits first.
 
 **Warm standby** (``recovery.standby``). Once an attempt has made its first step, the next one
-is spawned as a standby: it initialises (imports, process group, model, compile cache and warm-
-up; on a GPU host the model and the warm-up wait for the promotion, see
+is spawned as a standby: it initialises (imports, process group, model, compile cache and
+warm-up; on a GPU host the model and the warm-up wait for the promotion, see
 ``recovery.standby_park``), parks on its control pipe and costs no CPU. When the running
 attempt fails, the standby is promoted (it restores the newest committed checkpoint and trains)
 and a new one starts behind it once the promoted attempt steps. A standby never needed is
