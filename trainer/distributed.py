@@ -106,6 +106,15 @@ def bind_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def has_cuda_context(device: torch.device) -> bool | None:
+    """Whether this process holds its CUDA context on ``device`` (the driver's primary
+    context, asked without creating one); None off CUDA or on a torch built without it."""
+    probe = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if device.type != "cuda" or probe is None:
+        return None
+    return bool(probe(device.index or 0))
+
+
 def init_process_group(device: torch.device, backend: str, timeout_s: float = 600) -> DistEnv:
     """Join the job's process group (torchrun's env), or form a group of one when run alone;
     then the CPU-side groups (collective calls: every rank makes them in this order)."""

@@ -76,6 +76,7 @@ from trainer.distributed import (
     DistEnv,
     bind_device,
     build_host_model,
+    has_cuda_context,
     init_process_group,
     select_device,
     shard_train_module,
@@ -394,7 +395,10 @@ class Initializer:
         if not self.standby or self.control is None:
             return
         late = [str(s) for s in self.park.after_promotion]
-        self.ledger.mark(Mark.STANDBY_READY, park=str(self.park.park), after_promotion=late)
+        where: dict[str, Any] = {"park": str(self.park.park), "after_promotion": late}
+        if (context := has_cuda_context(self.device)) is not None:
+            where["cuda_context"] = context  # parked host-side: False (docs/recovery.md)
+        self.ledger.mark(Mark.STANDBY_READY, **where)
         if self.env.is_main:
             self.control.report(Phase.PARKED)
         log.info("standby attempt %d ready: parked until promoted", self.ledger.attempt)

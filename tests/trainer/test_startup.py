@@ -22,6 +22,7 @@ from infra.settings import StandbyPark
 from tests.factories import tiny_config
 from trainer import compiled
 from trainer.data.batch import Batch
+from trainer.distributed import has_cuda_context
 from trainer.init_stages import STAGE_DEPS, Initializer, ParkPolicy
 from trainer.model import RankingModel, batch_to_kjts
 from trainer.stage_graph import Stage, run_stages
@@ -259,3 +260,19 @@ def test_a_cold_attempt_holds_nothing_back_whatever_the_park(tmp_path: Path) -> 
     keys = [s.key for s in stages]
     assert keys.index("train_module_creation") < keys.index("promotion")
     assert all(s.binds_device for s in stages)
+
+
+def test_a_cuda_context_is_asked_of_the_driver_only_on_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a GPU standby's ``standby_ready`` mark says (``cuda_context``); a CPU build of
+    torch has no probe, so one is put in its place."""
+    asked: list[int] = []
+
+    def probe(index: int) -> bool:
+        asked.append(index)
+        return False
+
+    monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", probe, raising=False)
+    assert has_cuda_context(torch.device("cpu")) is None and asked == []
+    assert has_cuda_context(torch.device("cuda", 1)) is False and asked == [1]
