@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchrec.distributed.types import ShardingPlan
 
 from infra.accounting.ledger import Ledger
 from infra.accounting.ledger_format import Mark, ResumeHow, Span
@@ -191,7 +192,8 @@ class Initializer:
     loader: TrainLoader
     park: ParkPolicy
     host_model: RankingModel  # model_build's: nothing on a device yet
-    plan: Any  # its ShardingPlan
+    plan: ShardingPlan  # model_build's
+    held_back: tuple[InitStage, ...] = ()  # stages this attempt runs only after its gate
     model: torch.nn.Module
     optimizer: Any
     holdout: list[Batch]
@@ -217,6 +219,7 @@ class Initializer:
         if not self.compile_state.enabled:
             order = [s for s in order if s not in (S.COMPILE_CACHE_LOAD, S.COMPILE)]
         late = [s for s in self.park.after_promotion if s in order]
+        self.held_back = tuple(late)
         if late:  # parked host-side: the device's stages come after the gate
             order = [s for s in order if s not in late]
             gate = order.index(S.PROMOTION) + 1
@@ -394,7 +397,7 @@ class Initializer:
         standby's time is not the job's)."""
         if not self.standby or self.control is None:
             return
-        late = [str(s) for s in self.park.after_promotion]
+        late = [str(s) for s in self.held_back]
         where: dict[str, Any] = {"park": str(self.park.park), "after_promotion": late}
         if (context := has_cuda_context(self.device)) is not None:
             where["cuda_context"] = context  # parked host-side: False (docs/recovery.md)

@@ -198,7 +198,7 @@ def test_a_standby_promoted_after_it_parked_resumes_from_the_newest_commit(
     assert built.end <= ready.start and built.attrs["model_devices"] == ["cpu", "meta"]
     on_device = event(Span.TRAIN_MODULE_CREATION, 1)
     if park == "host":
-        assert ready.attrs["after_promotion"] == ["train_module_creation", "compile"]
+        assert ready.attrs["after_promotion"] == ["train_module_creation"]  # eager: no compile
         assert when(Mark.PROMOTED, 1) <= on_device.start and on_device.end <= when(Mark.RESUME, 1)
     else:
         assert ready.attrs["after_promotion"] == []

@@ -139,6 +139,7 @@ def test_a_standby_parked_host_side_resumes_bit_identical_with_the_compiled_step
     [ready] = [e for e in events if e.name == Mark.STANDBY_READY]
     [promoted] = [e for e in events if e.name == Mark.PROMOTED]
     assert ready.attrs["park"] == "host"
+    assert ready.attrs["after_promotion"] == ["train_module_creation", "compile"]
     on_device = [
         e
         for e in events

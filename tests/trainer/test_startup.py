@@ -239,13 +239,14 @@ def test_a_standby_parked_host_side_leaves_the_device_stages_for_after_its_promo
     assert set(keys[gate + 1 :]) >= {"restore", "get_first_batch_data"}
     if park == "host":
         assert init.park.park == StandbyPark.HOST
+        assert [str(s) for s in init.held_back] == ["train_module_creation", "compile"]
         assert on_device <= set(keys[gate + 1 :])
         assert all("promotion" in by_key[k].deps for k in on_device)
         assert not on_device & set(by_key["promotion"].deps)
         # No thread before the gate makes the device current (on CUDA: its context).
         assert [s.key for s in stages if not s.binds_device] == keys[: gate + 1]
     else:
-        assert init.park.park == StandbyPark.DEVICE
+        assert init.park.park == StandbyPark.DEVICE and init.held_back == ()
         assert on_device <= set(by_key["promotion"].deps)
         assert all(s.binds_device for s in stages)
 
