@@ -20,6 +20,7 @@ BENCHMARKS = [
     "bench_publish.py",
     "bench_recovery.py",
     "bench_relaunch_nodes.py",
+    "bench_standby_park.py",
 ]
 
 

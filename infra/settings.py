@@ -267,6 +267,18 @@ class LaunchConfig(_Frozen):
     work_pool: str | None = None
 
 
+class StandbyPark(StrEnum):
+    """Where a parked warm standby keeps its model until it is promoted (docs/recovery.md,
+    "Standbys on GPU hosts")."""
+
+    AUTO = "auto"  # HOST on a CUDA device, DEVICE otherwise
+    # Everything host-side (imports, loader, compile cache, the model built on "meta" and in
+    # host memory); the device's context, tables and warm-up come after the promotion, once
+    # the failed attempt's device memory is free.
+    HOST = "host"
+    DEVICE = "device"  # built, sharded and warmed up on the device before it parks
+
+
 class RecoveryConfig(_Frozen):
     """How a job survives failures: the orchestrator's retries, timeouts and warm standby
     (tasks/orchestrator.py), and the trainer's in-process restart (trainer/restart.py)."""
@@ -289,6 +301,9 @@ class RecoveryConfig(_Frozen):
     # it is promoted at once. It costs one more trainer process per rank while parked
     # (memory, no CPU): see docs/recovery.md.
     standby: bool = True
+    # What the standby builds before it parks: on a GPU host ``host`` keeps a second model
+    # out of device memory, at the cost of building it on the device after the promotion.
+    standby_park: StandbyPark = Field(default=StandbyPark.AUTO, strict=False)
     # An exception inside a step restores the newest committed checkpoint in the same
     # process, when every rank agrees within agree_timeout_s...
     in_process_restart: bool = True

@@ -48,6 +48,11 @@ RECOVERY_TESTS = ("tests/reliability/test_recovery_paths.py",)
 GATE_TESTS = ("tests/publish/test_gate.py",)
 CLOCK_TESTS = ("tests/infra/test_clocks.py", "tests/reliability/test_ledger_times.py")
 FLEET_TESTS = ("tests/tasks/test_node_fleet.py",)
+PARK_TESTS = (
+    "tests/trainer/test_startup.py",
+    "tests/reliability/test_recovery_paths.py::"
+    "test_a_standby_promoted_after_it_parked_resumes_from_the_newest_commit",
+)
 
 BREAKS = (
     Break(
@@ -371,8 +376,8 @@ BREAKS = (
         "tasks/remote_node.py",
         (
             (
-                "sorted(parked, key=lambda r: r.spare)",
-                "sorted(parked, key=lambda r: not r.spare)",
+                "    return run.spare, run.status is not None and run.status.warm is False\n",
+                "    return not run.spare, run.status is not None and run.status.warm is False\n",
             ),
         ),
         FLEET_TESTS,
@@ -412,6 +417,30 @@ BREAKS = (
             ),
         ),
         FLEET_TESTS,
+    ),
+    Break(
+        "B40",
+        "a standby parked host-side builds its model on the device before it parks",
+        "trainer/init_stages.py",
+        (
+            (
+                "DEVICE_STAGES = (S.TRAIN_MODULE_CREATION, S.COMPILE)",
+                "DEVICE_STAGES = (S.COMPILE,)",
+            ),
+        ),
+        PARK_TESTS,
+    ),
+    Break(
+        "B41",
+        "a standby parked host-side makes the device current (its CUDA context) before it parks",
+        "trainer/init_stages.py",
+        (
+            (
+                "            binds = not late or order.index(key) > gate\n",
+                "            binds = True\n",
+            ),
+        ),
+        PARK_TESTS,
     ),
 )
 

@@ -13,13 +13,14 @@ whether the job goes on and how long it waits first.
 
 **Warm standby** (``recovery.standby``). Once an attempt has made its first step, the next one
 is spawned as a standby: it initialises (imports, process group, model, compile cache and
-warm-up), parks on its control pipe and costs no CPU. When the running attempt fails, the
-standby is promoted (it restores the newest committed checkpoint and trains) and a new one
-starts behind it once the promoted attempt steps. A standby never needed is released. One
-that dies while it waits is marked ``standby_lost`` in the ledger (never the job's startup or
-failure) and another is started behind it; after ``MAX_STANDBY_LOSSES`` in a row the job goes
-on without one. **Attempt numbers are never reused**: every launch, cold or standby, takes the
-next one, so one attempt's ledger files hold one process group's events.
+warm-up; on a GPU host the model and the warm-up wait for the promotion, see
+``recovery.standby_park``), parks on its control pipe and costs no CPU. When the running
+attempt fails, the standby is promoted (it restores the newest committed checkpoint and trains)
+and a new one starts behind it once the promoted attempt steps. A standby never needed is
+released. One that dies while it waits is marked ``standby_lost`` in the ledger (never the
+job's startup or failure) and another is started behind it; after ``MAX_STANDBY_LOSSES`` in a
+row the job goes on without one. **Attempt numbers are never reused**: every launch, cold or
+standby, takes the next one, so one attempt's ledger files hold one process group's events.
 
 The job's lease (infra/lease.py) is held for the whole job, so a second job with the same
 job id refuses to start. Every process started here is ended here: on success, failure,

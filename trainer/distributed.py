@@ -7,6 +7,11 @@ CPU implementation and the trainer does gather CPU tensors (evaluation, the pree
 flag). Embedding tables are sharded by DistributedModelParallel and trained by TorchRec's
 fused optimizer (applied inside the backward pass); dense parameters use a regular optimizer.
 
+The train module is made in two parts so a warm standby can park before the second
+(trainer/init_stages.py): ``build_host_model`` and ``sharding_plan`` use no device memory
+(the plan's collective takes the gloo side of the default group), ``shard_train_module``
+puts the model on the device.
+
 Groups (``DistEnv``): ``cpu_group`` for CPU-tensor collectives issued by the training
 thread; ``data_group``, a gloo group of its own for the data loader's rank balancing,
 whose first exchange can run on an init thread while the model is being sharded on the
@@ -81,16 +86,33 @@ def has_cpu_backend(group: dist.ProcessGroup | None = None) -> bool:
 
 def select_device(backend_choice: str) -> tuple[torch.device, str]:
     """A GPU when one is present (unless gloo is forced), else the CPU; with the backend
-    string of the default group (``process_group_backend``)."""
+    string of the default group (``process_group_backend``). Chooses only: the device is
+    made current by ``bind_device``, which on a GPU creates this process's CUDA context."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available() and backend_choice != "gloo":
-        torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         return device, process_group_backend(device)
     if backend_choice == "nccl":
         raise RuntimeError("train.backend=nccl needs a GPU, and none is visible")
     device = torch.device("cpu")
     return device, process_group_backend(device)
+
+
+def bind_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current device (a no-op off CUDA). On CUDA 12
+    this creates the primary context (memory on the GPU): a standby parked host-side calls
+    it only once promoted."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def has_cuda_context(device: torch.device) -> bool | None:
+    """Whether this process holds its CUDA context on ``device`` (the driver's primary
+    context, asked without creating one); None off CUDA or on a torch built without it."""
+    probe = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if device.type != "cuda" or probe is None:
+        return None
+    return bool(probe(device.index or 0))
 
 
 def init_process_group(device: torch.device, backend: str, timeout_s: float = 600) -> DistEnv:
@@ -162,17 +184,13 @@ def import_functional_optimizers_unscripted() -> None:
         _state.enable()
 
 
-def build_train_module(
-    config: JobConfig, env: DistEnv
-) -> tuple[DistributedModelParallel, CombinedOptimizer]:
-    """The sharded model and one optimizer object covering sparse (fused) and dense params.
-
-    Seeded so every rank builds identical dense weights and a run is repeatable.
-    """
+def build_host_model(config: JobConfig) -> RankingModel:
+    """The model before sharding, nothing of it on a device: embedding tables on "meta" (no
+    memory; DistributedModelParallel allocates each rank's shards), dense layers in host
+    memory, built from the seed (identical on every rank, so a run is repeatable), and the
+    fused sparse optimizer registered with the tables."""
     import_functional_optimizers_unscripted()
     torch.manual_seed(config.train.seed)
-    # Tables on "meta": DMP allocates only each rank's shards. Dense layers are built on the
-    # CPU from the seed (identical on every rank) and moved to the device by DMP.
     model = RankingModel(config.data, config.model, device=torch.device("meta"))
     sparse_params = [
         *model.sparse_arch.parameters(),
@@ -181,7 +199,15 @@ def build_train_module(
     # Exact Adagrad: fbgemm's CPU kernels fuse its backward, while row-wise Adagrad takes a
     # much slower path on CPU; GPUs do either well.
     apply_optimizer_in_backward(torch.optim.Adagrad, sparse_params, {"lr": config.train.sparse_lr})
-    plan = sharding_plan(model, env)
+    return model
+
+
+def shard_train_module(
+    config: JobConfig, env: DistEnv, model: RankingModel, plan: ShardingPlan
+) -> tuple[DistributedModelParallel, CombinedOptimizer]:
+    """``model`` (from ``build_host_model``) on the device: DistributedModelParallel
+    allocates and initialises this rank's table shards there and moves the dense layers;
+    then one optimizer object covering sparse (fused) and dense params."""
     dmp = DistributedModelParallel(module=model, device=env.device, plan=plan)
     dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     dense_opt = KeyedOptimizerWrapper(

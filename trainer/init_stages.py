@@ -4,10 +4,15 @@ The stages form a small dependency graph (``STAGE_DEPS``). With ``train.parallel
 stage runs on its own thread once the stages it needs are done (spans overlap; the ETT
 report's InitBreakdown finds the critical path); otherwise they run one after another::
 
-    device_init ─► process_group_init ─┬─► preproc_creation ──────┬──────► get_first_batch_data
-                                       ├─► train_module_creation ─┼─► restore
-                                       └─► init_plugins ──────────┘
+    device_init ─► process_group_init ─┬─► preproc_creation ─┬──────► get_first_batch_data
+                                       │                     └───────────────────┐
+                                       ├─► model_build ─► train_module_creation ─┼─► restore
+                                       └─► init_plugins ─────────────────────────┘
                ─► compile_cache_load ─► compile (warm-up on a fast batch)
+
+``model_build`` makes the model with nothing on a device (tables on "meta", dense layers in
+host memory) and its sharding plan; ``train_module_creation`` puts it on the device
+(DistributedModelParallel allocates and initialises this rank's shards).
 
 ``restore`` registers what a checkpoint holds with the checkpointer (model, optimizer, RNG,
 the loader's position) and loads into it, so it waits for the loader to exist; it loads the
@@ -19,6 +24,16 @@ parks at the ``promotion`` gate: a blocking read on its control pipe (infra/cont
 CPU. ``restore`` and ``get_first_batch_data`` wait for the gate, so once promoted the
 standby only loads the newest committed checkpoint and its first batch. A cold attempt's
 gate is open from the start.
+
+**Where it parks** (``recovery.standby_park``, ``ParkPolicy``). Parked on the ``device``,
+it has built, sharded and warmed up its model there: on a GPU that is a second CUDA context,
+a second copy of the tables in device memory and a warm-up beside training. Parked on the
+``host`` (``auto`` on a CUDA device), every stage that would touch the device
+(``DEVICE_STAGES``: the train module, the compile warm-up) waits for the gate too, and no
+stage before it makes the device current (``bind_device``: on CUDA, the context). The model
+stays host-side (``model_build``) until the promotion, which comes once the failed
+attempt's processes, and so their device memory, are gone. ``host`` can be forced on a
+CPU, where the same path runs (and is tested).
 
 * The first real batch is fetched while the model is restored: its data position comes from
   a peek at the checkpoint restore will pick (a small JSON file). If restore ends up
@@ -44,11 +59,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchrec.distributed.types import ShardingPlan
 
 from infra.accounting.ledger import Ledger
 from infra.accounting.ledger_format import Mark, ResumeHow, Span
 from infra.control import Command, Phase, RankControl
-from infra.settings import EvalMode, JobConfig
+from infra.settings import EvalMode, JobConfig, StandbyPark
 from trainer import compile_cache, compiled
 from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.resume import Resume, peek_resume
@@ -57,8 +73,18 @@ from trainer.data.balance import make_balancer
 from trainer.data.batch import Batch
 from trainer.data.loader import START_POSITION, TrainLoader
 from trainer.data.sequential import holdout_batches
-from trainer.distributed import DistEnv, build_train_module, init_process_group, select_device
+from trainer.distributed import (
+    DistEnv,
+    bind_device,
+    build_host_model,
+    has_cuda_context,
+    init_process_group,
+    select_device,
+    shard_train_module,
+    sharding_plan,
+)
 from trainer.faults import FaultInjector
+from trainer.model import RankingModel
 from trainer.stage_graph import Stage, run_stages
 
 log = logging.getLogger(__name__)
@@ -68,6 +94,7 @@ class InitStage(StrEnum):
     DEVICE_INIT = "device_init"
     PROCESS_GROUP_INIT = "process_group_init"
     PREPROC_CREATION = "preproc_creation"
+    MODEL_BUILD = "model_build"
     TRAIN_MODULE_CREATION = "train_module_creation"
     INIT_PLUGINS = "init_plugins"
     COMPILE_CACHE_LOAD = "compile_cache_load"
@@ -84,7 +111,8 @@ STAGE_DEPS: dict[InitStage, tuple[InitStage, ...]] = {
     S.DEVICE_INIT: (),
     S.PROCESS_GROUP_INIT: (S.DEVICE_INIT,),
     S.PREPROC_CREATION: (S.PROCESS_GROUP_INIT,),
-    S.TRAIN_MODULE_CREATION: (S.PROCESS_GROUP_INIT,),
+    S.MODEL_BUILD: (S.PROCESS_GROUP_INIT,),  # the plan: a collective on the default group
+    S.TRAIN_MODULE_CREATION: (S.MODEL_BUILD,),
     S.INIT_PLUGINS: (S.PROCESS_GROUP_INIT,),
     S.COMPILE_CACHE_LOAD: (S.DEVICE_INIT,),
     S.COMPILE: (S.COMPILE_CACHE_LOAD,),
@@ -94,6 +122,30 @@ STAGE_DEPS: dict[InitStage, tuple[InitStage, ...]] = {
 }
 # Stages recorded as a ``pre_train`` span with a ``stage`` attr; the gate has no span.
 PRE_TRAIN_STAGES = frozenset({S.COMPILE_CACHE_LOAD, S.COMPILE, S.RESTORE})
+# The stages before the gate that put something on the device: a standby parked host-side
+# runs them after its promotion.
+DEVICE_STAGES = (S.TRAIN_MODULE_CREATION, S.COMPILE)
+
+
+@dataclass(frozen=True)
+class ParkPolicy:
+    """Which init stages a standby runs before its promotion gate, from the job's
+    ``recovery.standby_park`` and the device (``auto``: ``host`` on CUDA, else ``device``)."""
+
+    park: StandbyPark  # HOST or DEVICE
+    standby: bool
+
+    @classmethod
+    def resolve(cls, knob: StandbyPark, device: torch.device, standby: bool) -> ParkPolicy:
+        if knob == StandbyPark.AUTO:
+            knob = StandbyPark.HOST if device.type == "cuda" else StandbyPark.DEVICE
+        return cls(knob, standby)
+
+    @property
+    def after_promotion(self) -> tuple[InitStage, ...]:
+        """Stages held back until the gate, in their order (none for a cold attempt, whose
+        gate is open, nor for a standby parked on the device)."""
+        return DEVICE_STAGES if self.standby and self.park == StandbyPark.HOST else ()
 
 
 @dataclass
@@ -138,6 +190,10 @@ class Initializer:
     checkpoint_group: dist.ProcessGroup  # DCP's background thread only
     control_group: dist.ProcessGroup  # CPU agreement on the training thread
     loader: TrainLoader
+    park: ParkPolicy
+    host_model: RankingModel  # model_build's: nothing on a device yet
+    plan: ShardingPlan  # model_build's
+    held_back: tuple[InitStage, ...] = ()  # stages this attempt runs only after its gate
     model: torch.nn.Module
     optimizer: Any
     holdout: list[Batch]
@@ -162,18 +218,29 @@ class Initializer:
         order = list(InitStage)
         if not self.compile_state.enabled:
             order = [s for s in order if s not in (S.COMPILE_CACHE_LOAD, S.COMPILE)]
+        late = [s for s in self.park.after_promotion if s in order]
+        self.held_back = tuple(late)
+        if late:  # parked host-side: the device's stages come after the gate
+            order = [s for s in order if s not in late]
+            gate = order.index(S.PROMOTION) + 1
+            order[gate:gate] = late
+        gate = order.index(S.PROMOTION)
         stages = []
         for key in order:
             deps = tuple(d for d in STAGE_DEPS[key] if d in order)
             if key == S.PROMOTION and self.standby:
-                deps = tuple(order[: order.index(S.PROMOTION)])
+                deps = tuple(order[:gate])
+            if key in late:
+                deps += (S.PROMOTION,)
             if key == S.GET_FIRST_BATCH_DATA and not self.config.train.parallel_init:
                 deps += (S.RESTORE,)  # serial: the position comes from restore, no peek
             span = None if key == S.PROMOTION else Span.PRE_TRAIN
             attrs = {"stage": str(key)} if key in PRE_TRAIN_STAGES else {}
             if key not in PRE_TRAIN_STAGES and key != S.PROMOTION:
                 span = Span(str(key))
-            stages.append(Stage(str(key), span, getattr(self, str(key)), deps, attrs))
+            # Before a host-side gate no thread makes the device current (its CUDA context).
+            binds = not late or order.index(key) > gate
+            stages.append(Stage(str(key), span, getattr(self, str(key)), deps, attrs, binds))
         return stages
 
     def run(self) -> Components:
@@ -193,6 +260,7 @@ class Initializer:
             if hasattr(self, "loader"):  # its prefetch thread may be reading ahead
                 self.loader.close()
             raise
+        bind_device(self.device)  # the training thread's (parked host-side: its first time)
         self._settle_first_batch()
         if self.compile_state.enabled:
             self._finish_compile()
@@ -215,6 +283,9 @@ class Initializer:
     # -- the stages --------------------------------------------------------------------------
     def device_init(self, attrs: dict[str, Any]) -> None:
         self.device, self.backend = select_device(self.config.train.backend)
+        self.park = ParkPolicy.resolve(self.config.recovery.standby_park, self.device, self.standby)
+        if not self.park.after_promotion:
+            bind_device(self.device)
         if self.compile_state.enabled:
             parts = compile_cache.key_parts(self.config, self.device, compiled.compile_options())
             self._key_parts = parts
@@ -242,8 +313,17 @@ class Initializer:
             balancer=make_balancer(cfg, self.env),
         )
 
+    def model_build(self, attrs: dict[str, Any]) -> None:
+        self.host_model = build_host_model(self.config)
+        self.plan = sharding_plan(self.host_model, self.env)
+        # Where the model is while a standby parks: "meta" (tables) and "cpu" (dense).
+        attrs["model_devices"] = sorted({p.device.type for p in self.host_model.parameters()})
+
     def train_module_creation(self, attrs: dict[str, Any]) -> None:
-        self.model, self.optimizer = build_train_module(self.config, self.env)
+        self.model, self.optimizer = shard_train_module(
+            self.config, self.env, self.host_model, self.plan
+        )
+        attrs["device"] = str(self.device)
         if self.compile_state.enabled:
             target = compiled.dense_module(self.model)
             copy = self._warm_copy
@@ -317,7 +397,11 @@ class Initializer:
         standby's time is not the job's)."""
         if not self.standby or self.control is None:
             return
-        self.ledger.mark(Mark.STANDBY_READY)
+        late = [str(s) for s in self.held_back]
+        where: dict[str, Any] = {"park": str(self.park.park), "after_promotion": late}
+        if (context := has_cuda_context(self.device)) is not None:
+            where["cuda_context"] = context  # parked host-side: False (docs/recovery.md)
+        self.ledger.mark(Mark.STANDBY_READY, **where)
         if self.env.is_main:
             self.control.report(Phase.PARKED)
         log.info("standby attempt %d ready: parked until promoted", self.ledger.attempt)

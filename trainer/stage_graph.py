@@ -21,13 +21,16 @@ log = logging.getLogger(__name__)
 @dataclass
 class Stage:
     """One init sub-stage: ``fn(attrs)`` runs inside the ledger span ``span`` (no span when
-    None); ``attrs`` collects extra attributes written with the span."""
+    None); ``attrs`` collects extra attributes written with the span. ``binds_device``: its
+    thread makes the CUDA device current first (False: a standby parked host-side, before
+    its promotion, must not create a CUDA context)."""
 
     key: str
     span: Span | None
     fn: Callable[[dict[str, Any]], None]
     deps: tuple[str, ...] = ()
     attrs: dict[str, Any] = field(default_factory=dict)
+    binds_device: bool = True
 
 
 def run_stages(
@@ -52,7 +55,7 @@ def run_stages(
             raise ValueError(f"stage {s.key} depends on unknown stages {missing}")
 
     def run_one(stage: Stage) -> None:
-        if device is not None and device.type == "cuda":
+        if device is not None and device.type == "cuda" and stage.binds_device:
             torch.cuda.set_device(device)  # the current device is per thread
         if stage.span is None:
             stage.fn(dict(stage.attrs))

@@ -48,6 +48,7 @@ class Span(StrEnum):
     DEVICE_INIT = "device_init"
     PROCESS_GROUP_INIT = "process_group_init"
     PREPROC_CREATION = "preproc_creation"
+    MODEL_BUILD = "model_build"  # the model with nothing on a device yet, its sharding plan
     TRAIN_MODULE_CREATION = "train_module_creation"
     INIT_PLUGINS = "init_plugins"
     PRE_TRAIN = "pre_train"
@@ -104,6 +105,7 @@ INIT_SPANS = (
     Span.DEVICE_INIT,
     Span.PROCESS_GROUP_INIT,
     Span.PREPROC_CREATION,
+    Span.MODEL_BUILD,
     Span.TRAIN_MODULE_CREATION,
     Span.INIT_PLUGINS,
     Span.PRE_TRAIN,

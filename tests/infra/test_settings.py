@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel
 
 from infra.config_sources import ConfigError
-from infra.settings import JobConfig, dump_config, load_config, load_resolved
+from infra.settings import JobConfig, StandbyPark, dump_config, load_config, load_resolved
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "configs" / "example.yaml"
 
@@ -257,3 +257,14 @@ def test_an_environment_list_that_is_not_json_is_a_config_error(monkeypatch) -> 
         load_config()
     monkeypatch.setenv("ETT_DATA__CAT_VOCAB_SIZES", "[50, 20]")
     assert load_config().data.cat_vocab_sizes == (50, 20)
+
+
+def test_standby_park_is_auto_host_or_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_config().recovery.standby_park == StandbyPark.AUTO
+    with pytest.raises(
+        ConfigError,
+        match=r"recovery.standby_park: Input should be 'auto', 'host' or 'device' \(got 'gpu'\)",
+    ):
+        load_config(recovery={"standby_park": "gpu"})
+    monkeypatch.setenv("ETT_RECOVERY__STANDBY_PARK", "host")
+    assert load_config().recovery.standby_park == StandbyPark.HOST

@@ -28,7 +28,7 @@ import pytest
 
 from infra import storage
 from infra.accounting.ett import report_for_job
-from infra.accounting.ledger_format import Mark, Span
+from infra.accounting.ledger_format import Event, Mark, Span
 from infra.accounting.ledger_read import read_events
 from infra.checkpoint_manifest import QUARANTINE, committed_checkpoints, rank_state_name
 from infra.exit_codes import ExitCode, Outcome
@@ -148,18 +148,23 @@ def _kill_when_standby_parked(config: JobConfig, attempt: AttemptProcess, seen: 
 
 
 @pytest.mark.timeout(HELD_S + 120)  # attempt 0 is held in a hang by design
+@pytest.mark.parametrize("park", ["device", "host"])
 def test_a_standby_promoted_after_it_parked_resumes_from_the_newest_commit(
-    tmp_path: Path, data_url: str, clean: JobConfig
+    tmp_path: Path, data_url: str, clean: JobConfig, park: str
 ) -> None:
+    """Parked on the device, the standby built its train module before it parked; parked on
+    the host (the GPU host's default, forced here on a CPU: the same code path), only once
+    promoted, from the model it kept host-side. Either way it resumes exactly."""
+    recovery = {"max_failures": 1, "backoff_s": 0, "standby": True, "hang_timeout_s": HELD_S}
     config = job_config(
         tmp_path,
         data_url,
         STEPS,
-        job_id="promoted",
+        job_id=f"promoted-{park}",
         faults=[{"kind": "hang", "step": 12, "attempt": 0}],  # held there until the kill
         checkpoint={"preemption_budget_s": 20},
         # If the kill never comes: a hang, and a failure.
-        recovery={"max_failures": 1, "backoff_s": 0, "standby": True, "hang_timeout_s": HELD_S},
+        recovery={**recovery, "standby_park": park},
     )
     newest_at_kill: list[int] = []
     with Orchestrator(config, env={"OMP_NUM_THREADS": "1"}) as job:
@@ -176,13 +181,28 @@ def test_a_standby_promoted_after_it_parked_resumes_from_the_newest_commit(
     assert resume_marks(config) == [(1, 2 * EVERY, False)]
     events = read_events(config.layout)
 
+    def event(name: str, attempt: int) -> Event:
+        [found] = [e for e in events if e.name == name and e.attempt == attempt and e.rank == 0]
+        return found
+
     def when(name: str, attempt: int) -> float:
-        [event] = [e for e in events if e.name == name and e.attempt == attempt and e.rank == 0]
-        return event.start
+        return event(name, attempt).start
 
     # Parked before attempt 0 failed, promoted after, and only then restored.
     assert when(Mark.STANDBY_READY, 1) < when(Mark.FAILURE, 0) < when(Mark.PROMOTED, 1)
     assert when(Mark.PROMOTED, 1) < when(Mark.RESUME, 1)
+    # Where the model was while it parked: built with nothing on a device, then put there
+    # before the gate (device) or after the promotion (host).
+    ready, built = event(Mark.STANDBY_READY, 1), event(Span.MODEL_BUILD, 1)
+    assert ready.attrs["park"] == park
+    assert built.end <= ready.start and built.attrs["model_devices"] == ["cpu", "meta"]
+    on_device = event(Span.TRAIN_MODULE_CREATION, 1)
+    if park == "host":
+        assert ready.attrs["after_promotion"] == ["train_module_creation"]  # eager: no compile
+        assert when(Mark.PROMOTED, 1) <= on_device.start and on_device.end <= when(Mark.RESUME, 1)
+    else:
+        assert ready.attrs["after_promotion"] == []
+        assert on_device.end <= ready.start
     assert _steps(config, 1) == list(range(2 * EVERY + 1, STEPS + 1))
     assert_bit_identical(clean, config, STEPS)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.accounting.ledger_format import Mark
+from infra.accounting.ledger_format import Mark, Span
 from infra.accounting.ledger_read import read_events
 from infra.exit_codes import Outcome
 from infra.settings import JobConfig
@@ -113,3 +113,36 @@ def test_compiled_step_resumes_bit_identical(tmp_path) -> None:
     assert [a.outcome for a in outcome.attempts] == [Outcome.SIGKILL, Outcome.SUCCESS]
     assert_bit_identical(clean, killed, 15)
     assert resume_marks(killed) in ([(1, 10, False)], [(1, 5, False)])
+
+
+@pytest.mark.slow
+def test_a_standby_parked_host_side_resumes_bit_identical_with_the_compiled_step(
+    tmp_path,
+) -> None:
+    """``standby_park: host``, a GPU host's default, forced on the CPU (the same code path):
+    the promoted standby puts its model on the device and warms up the compiled step only
+    after its promotion, and the job still ends bit-identical."""
+    sections = {**SECTIONS, "train": {**SECTIONS["train"], "steps": 15, "compile": True}}
+    faults = [{"kind": "sigkill", "step": 12, "attempt": 0}]
+    clean = tiny_config(tmp_path, job_id="clean", **sections)
+    write_dataset(clean)
+    assert run_job(clean, tmp_path, 1, standby=False).succeeded
+    killed = tiny_config(
+        tmp_path, job_id="killed", faults=faults, recovery={"standby_park": "host"}, **sections
+    )
+    outcome = run_job(killed, tmp_path, 1, standby=True)
+    got = [(a.outcome, a.from_standby) for a in outcome.attempts]
+    assert got == [(Outcome.SIGKILL, False), (Outcome.SUCCESS, True)]
+    assert_bit_identical(clean, killed, 15)
+    assert resume_marks(killed) in ([(1, 10, False)], [(1, 5, False)])
+    events = [e for e in read_events(killed.layout) if e.attempt == 1 and e.rank == 0]
+    [ready] = [e for e in events if e.name == Mark.STANDBY_READY]
+    [promoted] = [e for e in events if e.name == Mark.PROMOTED]
+    assert ready.attrs["park"] == "host"
+    assert ready.attrs["after_promotion"] == ["train_module_creation", "compile"]
+    on_device = [
+        e
+        for e in events
+        if e.name == Span.TRAIN_MODULE_CREATION or e.attrs.get("stage") == "compile"
+    ]
+    assert len(on_device) == 2 and all(e.start >= promoted.start for e in on_device)

@@ -1,4 +1,5 @@
 """Fast start: the init stage graph runs independent stages concurrently (each its own span),
+a standby parked host-side leaves the stages that touch the device for after its promotion,
 and the compiled dense step never recompiles for batch sizes or jagged lengths."""
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from infra.accounting.ledger import Ledger
 from infra.accounting.ledger_format import Span
 from infra.accounting.ledger_read import read_events
 from infra.job_layout import JobLayout
+from infra.settings import StandbyPark
 from tests.factories import tiny_config
 from trainer import compiled
 from trainer.data.batch import Batch
-from trainer.init_stages import STAGE_DEPS
+from trainer.distributed import has_cuda_context
+from trainer.init_stages import STAGE_DEPS, Initializer, ParkPolicy
 from trainer.model import RankingModel, batch_to_kjts
 from trainer.stage_graph import Stage, run_stages
 
@@ -200,3 +203,77 @@ def test_no_recompiles_across_batch_sizes_and_jagged_lengths(tmp_path, monkeypat
     trained = [e.attrs for e in marks if e.attrs["phase"] == "train"]
     assert len(trained) == 1 and "dtype" in trained[0]["reason"], trained
     assert watcher.count == {"init": 1, "train": 1}  # init: the eval graph (grad mode off)
+
+
+class _StandbyControl:
+    """What the Initializer reads of a standby's control channel before it runs."""
+
+    standby = True
+
+
+@pytest.mark.parametrize(
+    ("knob", "device", "park"),
+    [
+        ("auto", torch.device("cuda", 1), "host"),
+        ("auto", torch.device("cpu"), "device"),
+        ("host", torch.device("cpu"), "host"),  # forced on a CPU: the GPU host's code path
+        ("device", torch.device("cuda", 1), "device"),
+    ],
+    ids=["auto-cuda", "auto-cpu", "host-cpu", "device-cuda"],
+)
+def test_a_standby_parked_host_side_leaves_the_device_stages_for_after_its_promotion(
+    tmp_path: Path, knob: str, device: torch.device, park: str
+) -> None:
+    """Only the graph is built (no stage runs), so a CUDA device is named without a GPU."""
+    config = tiny_config(tmp_path, train={"compile": True}, recovery={"standby_park": knob})
+    init = Initializer(config, ledger=None, control=_StandbyControl())  # type: ignore[arg-type]
+    init.park = ParkPolicy.resolve(config.recovery.standby_park, device, standby=True)
+    stages = init.graph()
+    keys = [s.key for s in stages]
+    by_key = {s.key: s for s in stages}
+    gate = keys.index("promotion")
+    for i, stage in enumerate(stages):  # a valid serial order
+        assert set(stage.deps) <= set(keys[:i]), stage.key
+    on_device = {"train_module_creation", "compile"}
+    assert set(keys[:gate]) >= {"preproc_creation", "model_build", "compile_cache_load"}
+    assert set(keys[gate + 1 :]) >= {"restore", "get_first_batch_data"}
+    if park == "host":
+        assert init.park.park == StandbyPark.HOST
+        assert [str(s) for s in init.held_back] == ["train_module_creation", "compile"]
+        assert on_device <= set(keys[gate + 1 :])
+        assert all("promotion" in by_key[k].deps for k in on_device)
+        assert not on_device & set(by_key["promotion"].deps)
+        # No thread before the gate makes the device current (on CUDA: its context).
+        assert [s.key for s in stages if not s.binds_device] == keys[: gate + 1]
+    else:
+        assert init.park.park == StandbyPark.DEVICE and init.held_back == ()
+        assert on_device <= set(by_key["promotion"].deps)
+        assert all(s.binds_device for s in stages)
+
+
+def test_a_cold_attempt_holds_nothing_back_whatever_the_park(tmp_path: Path) -> None:
+    config = tiny_config(tmp_path, recovery={"standby_park": "host"})
+    policy = ParkPolicy.resolve(config.recovery.standby_park, torch.device("cuda", 0), False)
+    assert policy.after_promotion == ()
+    init = Initializer(config, ledger=None, control=None)  # type: ignore[arg-type]
+    init.park = policy
+    stages = init.graph()
+    keys = [s.key for s in stages]
+    assert keys.index("train_module_creation") < keys.index("promotion")
+    assert all(s.binds_device for s in stages)
+
+
+def test_a_cuda_context_is_asked_of_the_driver_only_on_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a GPU standby's ``standby_ready`` mark says (``cuda_context``); a CPU build of
+    torch has no probe, so one is put in its place."""
+    asked: list[int] = []
+
+    def probe(index: int) -> bool:
+        asked.append(index)
+        return False
+
+    monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", probe, raising=False)
+    assert has_cuda_context(torch.device("cpu")) is None and asked == []
+    assert has_cuda_context(torch.device("cuda", 1)) is False and asked == [1]
