@@ -132,7 +132,7 @@ def retrain_flow(
             f"no complete dt=YYYY-MM-DD window under {data_root}: nothing to train "
             "(write synthetic ones with `ett generate --daily N`)"
         )
-    job_id = f"{job_prefix or base.job_id}-{window.date}"
+    job_id = f"{job_prefix or base.job_id or 'retrain'}-{window.date}"
     anchor = find_anchor(base.model_copy(update={"job_id": job_id}).layout)
     if anchor is not None:
         return _nothing_to_do(
