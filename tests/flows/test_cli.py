@@ -112,6 +112,16 @@ def test_train_refuses_a_bad_config_in_one_line(tmp_path: Path) -> None:
     user_error(ett("train", "--config", str(path), cwd=tmp_path), "train.steps", "bad.yaml")
 
 
+def test_train_refuses_a_finished_job_in_one_line(trained: Trained) -> None:
+    """`ett train` of the trained job's id again: exit 2, one line naming the job and how to
+    start a new one; nothing under its storage is touched."""
+    store = trained.tmp / "store"
+    before = {p: p.stat().st_mtime_ns for p in sorted(store.rglob("*"))}
+    proc = ett("train", "--config", trained.path, cwd=trained.tmp)
+    user_error(proc, "job tiny is finished", "leave job_id out (or pass a new one)")
+    assert {p: p.stat().st_mtime_ns for p in sorted(store.rglob("*"))} == before
+
+
 def test_report_plain_when_piped_with_plot(trained: Trained) -> None:
     png = trained.tmp / "ett.png"
     proc = ett("report", "tiny", "--config", trained.path, "--plot", str(png), cwd=trained.tmp)
