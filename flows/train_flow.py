@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from typing import Any
+from uuid import UUID
 
 from prefect import flow
 from prefect.runtime import flow_run
@@ -54,7 +55,7 @@ def _name_the_run(job_id: str) -> None:
         from prefect.client.orchestration import get_client
 
         with get_client(sync_client=True) as client:
-            client.update_flow_run(run_id, name=name)
+            client.update_flow_run(UUID(run_id), name=name)
     except Exception as exc:  # noqa: BLE001 - a name is a label
         logger().debug("could not rename the flow run to %s: %s", name, exc)
 
