@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import time
 from contextvars import ContextVar
@@ -337,6 +338,7 @@ def new_job_id(name: str, when: float | None = None, salt: str | None = None) ->
     flow run name its job the same way every time it asks (its run name, a retry)."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if when is None else when))
     suffix = (salt or secrets.token_hex(2))[:4]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-._")[:96] or "job"  # "my train"
     return f"{name}-{stamp}-{suffix}"
 
 

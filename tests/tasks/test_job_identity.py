@@ -47,6 +47,9 @@ def test_a_new_id_is_readable_unique_and_valid() -> None:
     made = new_job_id("train", when=1796459652.0, salt="3f9a0c")
     assert made == new_job_id("train", when=1796459652.0, salt="3f9a0c")
     assert made == "train-20261205-083412-3f9a"
+    # a deployment's name may hold what an id may not
+    spaced = new_job_id("my train/v2", when=1796459652.0, salt="3f9a")
+    assert spaced == "my-train-v2-20261205-083412-3f9a"
 
 
 def test_no_job_id_is_a_new_job_named_after_the_start(tmp_path: Path) -> None:
