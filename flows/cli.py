@@ -112,7 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
         "train-<UTC time>-<4 hex>",
     )
     p.add_argument(
-        "--resume", action="store_true", help="continue the newest unfinished job ett train started"
+        "--resume",
+        action="store_true",
+        help="continue the newest unfinished train-<UTC time>-<4 hex> job (ett train's or the "
+        "train deployment's)",
     )
     p = add(
         "pool",
