@@ -181,7 +181,7 @@ def prewarm(work: Path) -> None:
     from flows.train_flow import train_flow
 
     cfg = load_config(**overrides("optimized", work, 30))
-    cfg = cfg.model_copy(update={"job_id": "ett-prewarm"})
+    cfg = cfg.model_copy(update={"job_id": None})  # a new job each time: one run reuses no other
     path = work / "prewarm.yaml"
     dump_config(cfg, path)
     train_flow(config=str(path))

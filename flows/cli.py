@@ -106,6 +106,17 @@ def build_parser() -> argparse.ArgumentParser:
         ("--hang-timeout-s", positive, "recovery.hang_timeout_s", "no step this long: hung"),
     ):
         p.add_argument(flag, type=kind, dest=field, help=f"{what} (sets {field})")
+    p.add_argument(
+        "--job-id",
+        help="continue this unfinished job (a finished one is refused); default: a new job, "
+        "train-<UTC time>-<4 hex>",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the newest unfinished train-<UTC time>-<4 hex> job (ett train's or the "
+        "train deployment's)",
+    )
     p = add(
         "pool",
         cmd_pool,

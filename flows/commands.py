@@ -91,11 +91,13 @@ class _Stop:
 def train_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The config fields that ``ett train``'s flags set: each flag's destination is its
     field's dotted path (flows/cli.py); a flag not given sets nothing."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, Any] = {}
     for dest, value in vars(args).items():
         if "." in dest and value is not None:
             section, field = dest.split(".", 1)
             out.setdefault(section, {})[field] = value
+    if getattr(args, "job_id", None) is not None:
+        out["job_id"] = args.job_id
     return out
 
 
@@ -103,14 +105,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     """A job without Prefect: the same orchestrator as the ``train`` flow (attempts, standby,
     retries, hang detection); exits with the last attempt's code (0 once the job succeeded).
     What the config names is checked first (infra/preflight.py): a mistake there is exit 2
-    before torchrun starts. SIGINT (Ctrl-C) exits 130 and SIGTERM 143, after the running
-    attempt's emergency checkpoint."""
+    before torchrun starts, and so is a finished job's id (tasks/job_identity.py). SIGINT
+    (Ctrl-C) exits 130 and SIGTERM 143, after the running attempt's emergency checkpoint."""
     from infra.lease import JobLocked
     from infra.preflight import PreflightError
     from tasks.orchestrator import plan_job, run
 
     try:
-        config = plan_job(getattr(args, "config", None), train_overrides(args))
+        config = plan_job(
+            getattr(args, "config", None),
+            train_overrides(args),
+            resume=bool(getattr(args, "resume", False)),
+        )
     except PreflightError as exc:
         raise UserError(str(exc)) from None
     stop = _Stop()
@@ -157,12 +163,8 @@ def _layout(args: argparse.Namespace, config: JobConfig) -> JobLayout:
     from infra.job_layout import JobLayout
 
     storage.configure(config.storage)
-    here = config.layout
-    layout = (
-        JobLayout.at(args.job)
-        if "://" in args.job
-        else JobLayout.for_job(here.root, args.job, here.compile_cache_url)
-    )
+    here = JobLayout.for_job(config.storage.root, args.job, config.train.compile_cache_url)
+    layout = JobLayout.at(args.job) if "://" in args.job else here
     if storage.glob(storage.join(layout.ledger, "*.jsonl")):
         return layout
     known = storage.listdir(here.jobs) if "://" not in args.job else []
@@ -279,9 +281,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     storage.configure(config.storage)
     named = [("baseline", args.baseline), ("optimized", args.optimized)]
     named += [(args.job.rstrip("/").rsplit("/", 1)[-1], args.job)] if args.job else []
-    here = config.layout
     jobs = {
-        label: JobLayout.at(job) if "://" in job else JobLayout.for_job(here.root, job)
+        label: JobLayout.at(job) if "://" in job else JobLayout.for_job(config.storage.root, job)
         for label, job in named
         if job
     }

@@ -130,12 +130,12 @@ def run_demo(steps: int | None = None, nproc: int = 1, config: str | None = None
     from infra.accounting.report import sections
     from infra.accounting.summary import JobSummary
     from infra.job_layout import JobLayout
-    from infra.settings import dump_config, load_config
+    from infra.settings import dump_config, load_config, new_job_id
     from tasks.training import ensure_data
 
     base = load_config(config)
     steps = steps or base.train.steps
-    job_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    job_id = new_job_id("demo")
     storage.configure(base.storage)
     t0 = time.monotonic()
     with progress_bars.stages(STAGES, "demo") as stage:

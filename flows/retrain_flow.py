@@ -122,8 +122,8 @@ def retrain_flow(
 
     ``config`` and ``overrides`` are the ``train`` flow's (``launch``, ``recovery``, any
     section); the window's job id, data URL and warm start are set over them. ``job_prefix``
-    defaults to the config's job id; the job is ``<prefix>-<date>``. Without a new window the
-    run ends Completed with a message (``trained: False``)."""
+    defaults to the config's job id, else ``retrain``; the job is ``<prefix>-<date>``.
+    Without a new window the run ends Completed with a message (``trained: False``)."""
     base = load_config(config, **(overrides or {}))
     storage.configure(base.storage)
     window = latest_window(data_root)
@@ -132,7 +132,7 @@ def retrain_flow(
             f"no complete dt=YYYY-MM-DD window under {data_root}: nothing to train "
             "(write synthetic ones with `ett generate --daily N`)"
         )
-    job_id = f"{job_prefix or base.job_id}-{window.date}"
+    job_id = f"{job_prefix or base.job_id or 'retrain'}-{window.date}"
     anchor = find_anchor(base.model_copy(update={"job_id": job_id}).layout)
     if anchor is not None:
         return _nothing_to_do(

@@ -33,10 +33,38 @@ def _job_id(parameters: dict[str, Any]) -> str | None:
         return None
 
 
+def new_job_naming() -> dict[str, Any]:
+    """How this flow run names a new job (``infra.settings.new_job_id``'s arguments): its
+    deployment's name (else its flow's), its scheduled start and its id's first hex digits,
+    so the run name and the flow's body give the job the same id, and a retry of the run
+    continues that job instead of starting another."""
+    from prefect.runtime import deployment
+
+    try:
+        name = deployment.get_name() or flow_run.get_flow_name() or "train"
+        when = flow_run.get_scheduled_start_time().timestamp()
+        salt = str(flow_run.get_id() or "").replace("-", "")[:4] or None
+    except Exception:  # noqa: BLE001 - outside a flow run
+        return {"name": "train", "when": None, "salt": None}
+    return {"name": name, "when": when, "salt": salt}
+
+
+def train_run_name_of(job_id: str) -> str:
+    """``train-<job id>``, or the id itself when it already says so (a new job's id starts
+    with the deployment's name: ``train-20261205-083412-3f9a``)."""
+    return job_id if job_id.startswith("train-") else f"train-{job_id}"
+
+
 def train_run_name() -> str:
-    """``train-<job id>``."""
-    job_id = _job_id(_parameters())
-    return f"train-{job_id}" if job_id else "train"
+    """``train-<job id>``: the id the parameters name, else the new job's (flows/train_flow.py
+    renames a run that resumes an older job)."""
+    from infra.settings import new_job_id
+
+    parameters = _parameters()
+    job_id = _job_id(parameters)
+    if job_id is None and parameters.get("resume"):
+        return "train-resume"
+    return train_run_name_of(job_id or new_job_id(**new_job_naming()))
 
 
 def retrain_run_name() -> str:

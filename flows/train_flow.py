@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import time
 from typing import Any
+from uuid import UUID
 
 from prefect import flow
 from prefect.runtime import flow_run
 
-from flows.run_names import train_run_name
+from flows.run_names import new_job_naming, train_run_name, train_run_name_of
 from tasks import training
 from tasks.events import emit_anchor_committed, find_anchor
 from tasks.logs import logger
@@ -43,9 +44,27 @@ def _scheduling() -> tuple[float, float]:
     return min(expected, started), started
 
 
+def _name_the_run(job_id: str) -> None:
+    """A run that resumes an older job (its name was made before the job was known) takes
+    that job's name."""
+    name = train_run_name_of(job_id)
+    try:
+        run_id = flow_run.get_id()
+        if run_id is None or flow_run.get_name() == name:
+            return
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(UUID(run_id), name=name)
+    except Exception as exc:  # noqa: BLE001 - a name is a label
+        logger().debug("could not rename the flow run to %s: %s", name, exc)
+
+
 @flow(name="train", flow_run_name=train_run_name, log_prints=True)
 def train_flow(
-    config: str | None = None, overrides: dict[str, Any] | None = None
+    config: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Train one job to completion, relaunching failed attempts.
 
@@ -54,10 +73,16 @@ def train_flow(
         overrides: nested sections merged over the file, e.g. {"train": {"steps": 50}},
             {"launch": {"nproc": 2}}, {"recovery": {"max_failures": 5}}, {"faults":
             [{"kind": "sigkill", "step": 300, "attempt": 0}]} (ETT_* variables win over both).
+            Without ``job_id`` in either, the run is a new job, named after the deployment
+            and the time (the run's name); a ``job_id`` of an unfinished job continues it,
+            of a finished one is refused (tasks/job_identity.py).
+        resume: continue the newest unfinished job this deployment started.
     Returns: job id and URL, attempts, anchor, MLflow run id and the ETT headline numbers.
     """
     scheduling = _scheduling()
-    job = training.plan(config, overrides)
+    job = training.plan(config, overrides, resume, **new_job_naming())
+    assert job.job_id is not None  # resolved by plan
+    _name_the_run(job.job_id)
     observer = training.FlowObserver(job)
     with Orchestrator(job, observer, logger(), scheduling) as orchestrator:
         for attempt in orchestrator:

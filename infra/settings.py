@@ -27,6 +27,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import secrets
+import time
 from contextvars import ContextVar
 from enum import StrEnum
 from pathlib import Path
@@ -340,6 +343,20 @@ class TrackingConfig(_Frozen):
     registered_model: str = "ranker"
 
 
+JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+def new_job_id(name: str, when: float | None = None, salt: str | None = None) -> str:
+    """A new job's id, readable and unique: ``<name>-<UTC yyyymmdd-HHMMSS>-<4 hex>``, e.g.
+    ``train-20261205-083412-3f9a``. ``name`` is the flow, the deployment or the command;
+    ``when`` (Unix seconds, default now) and ``salt`` (hex, default random) let a Prefect
+    flow run name its job the same way every time it asks (its run name, a retry)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if when is None else when))
+    suffix = (salt or secrets.token_hex(2))[:4]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-._")[:96] or "job"  # "my train"
+    return f"{name}-{stamp}-{suffix}"
+
+
 class JobConfig(BaseSettings):
     """Everything one training job needs; configs/example.yaml documents every field."""
 
@@ -352,7 +369,9 @@ class JobConfig(BaseSettings):
         strict=True,
     )
 
-    job_id: str = Field(default="demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+    # None: a new job, whose id the job's start gives it (tasks/job_identity.py): a config
+    # that names an id continues that job, if it is unfinished.
+    job_id: str | None = Field(default=None, pattern=JOB_ID_PATTERN)
     storage: StorageConfig = StorageConfig()
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
@@ -384,6 +403,8 @@ class JobConfig(BaseSettings):
     @property
     def layout(self) -> JobLayout:
         """Where the job keeps everything on its storage (infra/job_layout.py)."""
+        if self.job_id is None:
+            raise ValueError("a new job has no id yet: tasks/job_identity.resolve gives it one")
         return JobLayout.for_job(self.storage.root, self.job_id, self.train.compile_cache_url)
 
     def model_hash(self) -> str:

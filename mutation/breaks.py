@@ -442,6 +442,20 @@ BREAKS = (
         ),
         PARK_TESTS,
     ),
+    Break(
+        "B45",
+        "a finished job's id runs again (an empty attempt, idle time lost, its anchor re-sent)",
+        "tasks/job_identity.py",
+        (("    if finished(resolved.layout):\n", "    if False:\n"),),
+        ("tests/tasks/test_job_identity.py",),
+    ),
+    Break(
+        "B46",
+        "a start without a job id continues the newest job instead of starting a new one",
+        "tasks/job_identity.py",
+        (("    if job_id is None and resume:\n", "    if job_id is None:\n"),),
+        ("tests/tasks/test_job_identity.py",),
+    ),
 )
 
 

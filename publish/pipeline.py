@@ -94,7 +94,9 @@ class Publication:
         self.validation: validate.Validation | None = None
         self.result: PublishResult | None = None
         self.seconds: dict[str, float] = {}
-        self.layout = ref.layout or config.layout
+        # a checkpoint kept outside a job folder: the ledger of the job it names
+        named = config.model_copy(update={"job_id": self.job_id or "publish"})
+        self.layout = ref.layout or named.layout
         self.ledger: Ledger | None = None  # opened by the first stage that runs
 
     # -- set-up ---------------------------------------------------------------------------

@@ -61,6 +61,7 @@ from infra.settings import (
     dump_config,
     load_config,
 )
+from tasks import job_identity
 from tasks.attempt import (
     LOCAL_ADDRESS,
     AttemptProcess,
@@ -80,14 +81,23 @@ MAX_STANDBY_LOSSES = 3  # standbys lost in a row before the job goes on without 
 EVAL_FINISH_TIMEOUT_S = 300.0  # after training, for the side evaluator to evaluate the anchor
 
 
-def plan_job(config: str | None = None, overrides: dict[str, Any] | None = None) -> JobConfig:
+def plan_job(
+    config: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    name: str = "train",
+    resume: bool = False,
+    when: float | None = None,
+    salt: str | None = None,
+) -> JobConfig:
     """The job's config, resolved (embedded defaults < file < ``overrides`` < ETT_*
-    environment) and checked against the world before anything starts (infra/preflight.py):
-    ConfigError or PreflightError, each one line naming the field."""
+    environment), given its job id (tasks/job_identity.py: a new one, named after ``name``,
+    unless the config names an unfinished job or ``resume`` asks for one), and checked
+    against the world before anything starts (infra/preflight.py): ConfigError,
+    PreflightError, JobFinished or NothingToResume, each one line."""
     job = load_config(config, **(overrides or {}))
     storage.configure(job.storage)
     preflight(job)
-    return job
+    return job_identity.resolve(job, name, resume, when, salt)
 
 
 @dataclass(frozen=True)

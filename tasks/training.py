@@ -43,9 +43,17 @@ class AttemptFailed(RuntimeError):
 
 
 @task(name="plan-job", cache_policy=NO_CACHE, timeout_seconds=300)
-def plan(config: str | None, overrides: dict[str, Any] | None = None) -> JobConfig:
-    """The job's resolved config, checked before any attempt (tasks/orchestrator.plan_job)."""
-    return plan_job(config, overrides)
+def plan(
+    config: str | None,
+    overrides: dict[str, Any] | None = None,
+    resume: bool = False,
+    name: str = "train",
+    when: float | None = None,
+    salt: str | None = None,
+) -> JobConfig:
+    """The job's resolved config with its job id, checked before any attempt
+    (tasks/orchestrator.plan_job; ``name``, ``when``, ``salt``: how a new job is named)."""
+    return plan_job(config, overrides, name, resume, when, salt)
 
 
 @task(name="train-attempt", task_run_name="attempt-{attempt.number}", cache_policy=NO_CACHE)

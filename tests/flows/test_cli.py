@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from infra import storage
+from infra.accounting.ledger import Ledger
+from infra.accounting.ledger_format import Mark
 from infra.accounting.summary import JobSummary
 from infra.devstack import servers, stack
 from infra.exit_codes import ExitCode
@@ -110,6 +113,36 @@ def test_train_refuses_a_bad_config_in_one_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"train": {"steps": 0}}))
     user_error(ett("train", "--config", str(path), cwd=tmp_path), "train.steps", "bad.yaml")
+
+
+def test_train_refuses_a_finished_job_in_one_line(trained: Trained) -> None:
+    """`ett train` of the trained job's id again: exit 2, one line naming the job and how to
+    start a new one; nothing under its storage is touched."""
+    store = trained.tmp / "store"
+    before = {p: p.stat().st_mtime_ns for p in sorted(store.rglob("*"))}
+    proc = ett("train", "--config", trained.path, cwd=trained.tmp)
+    user_error(proc, "job tiny is finished", "leave job_id out (or pass a new one)")
+    assert {p: p.stat().st_mtime_ns for p in sorted(store.rglob("*"))} == before
+
+
+def test_train_resume_continues_the_newest_unfinished_job(trained: Trained, tmp_path: Path) -> None:
+    """`ett train --resume`: nothing to resume is one line; an unfinished job that `ett
+    train` started (a killed attempt 0 in its ledger) is continued under its id."""
+    config = tiny_config(
+        tmp_path, job_id=None, data={"url": trained.config.data.url}, train={"steps": 10}
+    )
+    path = write(config, tmp_path / "job.yaml")
+    nothing = ett("train", "--config", path, "--resume", cwd=tmp_path)
+    user_error(nothing, "no unfinished train job under", "leave resume out")
+    killed = config.model_copy(update={"job_id": "train-20261201-100000-aaaa"})
+    storage.configure(killed.storage)
+    with Ledger(killed.layout, attempt=0, rank=0, role="orchestrator") as ledger:
+        ledger.mark(Mark.FAILURE, step=3, cause="sigkill", exit_code=-9)
+    proc = ett("train", "--config", path, "--resume", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "job train-20261201-100000-aaaa has 1 earlier attempt(s)" in proc.stderr
+    assert "succeeded on attempt 1" in proc.stdout
+    assert [p.name for p in (tmp_path / "store" / "jobs").iterdir()] == [killed.job_id]
 
 
 def test_report_plain_when_piped_with_plot(trained: Trained) -> None:

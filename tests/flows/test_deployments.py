@@ -11,7 +11,9 @@ and worker environment disagree, then the ``publish`` run its anchor event trigg
 - a log without library dumps or torchrun's own traceback, and lines of the ``publish``
   loggers in the publish run's logs (PREFECT_LOGGING_EXTRA_LOGGERS);
 - publish runs one at a time (ENQUEUE), and its trigger's name and description;
-- ``ett demo`` on this stack publishes once, through the trigger.
+- ``ett demo`` on this stack publishes once, through the trigger;
+- a second run with the same parameters is a new job (issue 27), and a finished job's id is
+  refused in one line.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from prefect.deployments import run_deployment
 from infra import storage
 from infra.accounting.ledger_read import read_events
 from infra.settings import JobConfig, dump_config
+from tasks.events import ANCHOR_EVENT, RESOURCE_PREFIX
 from tests.factories import ROOT, tiny_config, write_dataset
 from tests.prefect_worker import deployed_worker
 
@@ -56,6 +59,7 @@ WORKER_ENV = {  # the worker machine's say
     "ETT_TRAIN__LOG_EVERY": "4",
     "ETT_CHECKPOINT__EVERY_STEPS": "5",
 }
+NEW_JOB = re.compile(r"train-\d{8}-\d{6}-[0-9a-f]{4}")  # a run's new job id, and its name
 RUN_ENV = {"ETT_CHECKPOINT__EVERY_STEPS": "3"}  # the run's job_variables
 OVERRIDES = {  # the run's parameters
     "train": {"steps": 8},
@@ -89,20 +93,21 @@ def _final(flow_run_id: Any, worker_log: Path, timeout_s: float = RUN_TIMEOUT_S)
     raise AssertionError(f"run {flow_run_id} not final; worker:\n{worker_log.read_text()[-6000:]}")
 
 
-def _triggered_publish(job_id: str, worker_log: Path) -> Any:
-    deadline = time.monotonic() + RUN_TIMEOUT_S
+def _publish_runs(job_id: str) -> list[Any]:
+    """The ``publish`` deployment's runs for ``job_id``."""
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("publish/publish")
         only = DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
-        while time.monotonic() < deadline:
-            mine = [
-                r
-                for r in client.read_flow_runs(deployment_filter=only)
-                if r.parameters.get("job_id") == job_id
-            ]
-            if mine:
-                return _final(mine[0].id, worker_log)
-            time.sleep(2)
+        runs = client.read_flow_runs(deployment_filter=only)
+    return [r for r in runs if r.parameters.get("job_id") == job_id]
+
+
+def _triggered_publish(job_id: str, worker_log: Path) -> Any:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if mine := _publish_runs(job_id):
+            return _final(mine[0].id, worker_log)
+        time.sleep(2)
     raise AssertionError(f"no publish run for {job_id}; worker:\n{worker_log.read_text()[-6000:]}")
 
 
@@ -127,9 +132,9 @@ class Job:
 @pytest.fixture(scope="module")
 def job(worker: Path, mlflow_server: str, tmp_path_factory: pytest.TempPathFactory) -> Job:
     tmp = tmp_path_factory.mktemp("deployments")
-    config = tiny_config(  # what the config file says
+    config = tiny_config(  # what the config file says: no job id, so each run is a new job
         tmp,
-        job_id=f"dep-{uuid.uuid4().hex[:6]}",
+        job_id=None,
         storage={"root": f"s3://ett/deployments-{uuid.uuid4().hex[:8]}"},
         train={"steps": 30, "log_every": 10, "dense_lr": 0.02},
         checkpoint={"every_steps": 10},
@@ -137,16 +142,81 @@ def job(worker: Path, mlflow_server: str, tmp_path_factory: pytest.TempPathFacto
     )
     write_dataset(config)
     dump_config(config, tmp / "job.yaml")
-    run = run_deployment(
+    train = _final(_run_train(tmp / "job.yaml").id, worker)
+    assert train.state.is_completed(), f"{train.state}; worker:\n{worker.read_text()[-8000:]}"
+    assert NEW_JOB.fullmatch(train.name), train.name  # a new job: the run's name is its id
+    config = config.model_copy(update={"job_id": train.name})
+    return Job(config, train, _triggered_publish(train.name, worker), mlflow_server)
+
+
+def _run_train(path: Path, **overrides: Any) -> Any:
+    """A ``train`` deployment run of the config file at ``path``, with the module's
+    parameters and job variables (``overrides`` over OVERRIDES); does not wait."""
+    return run_deployment(
         "train/train",
-        parameters={"config": str(tmp / "job.yaml"), "overrides": OVERRIDES},
+        parameters={"config": str(path), "overrides": {**OVERRIDES, **overrides}},
         job_variables={"env": RUN_ENV},
         timeout=0,
         as_subflow=False,
     )
-    train = _final(run.id, worker)
-    assert train.state.is_completed(), f"{train.state}; worker:\n{worker.read_text()[-8000:]}"
-    return Job(config, train, _triggered_publish(config.job_id, worker), mlflow_server)
+
+
+def _anchor_events(job_id: str) -> list[Any]:
+    """The anchor events the server received for ``job_id``'s checkpoints."""
+    with get_client(sync_client=True) as client:
+        response = client.request(
+            "POST",
+            "/events/filter",
+            json={
+                "filter": {
+                    "event": {"name": [ANCHOR_EVENT]},
+                    "resource": {"id": [f"{RESOURCE_PREFIX}{job_id}"]},
+                },
+                "limit": 50,
+            },
+        )
+    return list(response.json()["events"])
+
+
+def test_two_runs_with_the_same_parameters_are_two_jobs_and_a_finished_one_is_refused(
+    job: Job, worker: Path
+) -> None:
+    """Issue 27: a second run of the deployment is a job of its own (its ledger, its MLflow
+    run, its anchor event, its publish run); the first job's id, finished, is refused in one
+    line and announces nothing again."""
+    path = Path(job.train.parameters["config"])
+    second_run = _run_train(path)  # the same parameters as the first
+    again_run = _run_train(path, job_id=job.config.job_id)  # the finished first job, by id
+    again, second = _final(again_run.id, worker), _final(second_run.id, worker)
+    assert second.state.is_completed(), f"{second.state}; worker:\n{worker.read_text()[-8000:]}"
+    assert NEW_JOB.fullmatch(second.name) and second.name != job.train.name
+    publish = _triggered_publish(second.name, worker)
+    assert publish.state.is_completed(), publish.state
+    # the refusal: before anything started, in one line naming the job and the way out
+    assert again.state.is_failed(), again.state
+    message = again.state.message or ""
+    assert f"job {job.config.job_id} is finished" in message and "\n" not in message, message
+    assert "leave job_id out (or pass a new one) to start a new job" in message
+    from mlflow import MlflowClient
+
+    client = MlflowClient(job.mlflow_uri)
+    experiment = client.get_experiment_by_name("ett-pipeline").experiment_id
+    runs = {
+        job_id: client.search_runs(
+            [experiment], f"tags.`ett.job_id` = '{job_id}' AND tags.`ett.kind` = 'job'"
+        )
+        for job_id in (job.config.job_id, second.name)
+    }
+    assert [len(found) for found in runs.values()] == [1, 1], runs
+    first_run, second_run_ = (found[0].info.run_id for found in runs.values())
+    assert first_run != second_run_
+    # one anchor, one event, one publish run: per job, the refused run included
+    for job_id in (job.config.job_id, second.name):
+        deadline = time.monotonic() + 30  # the server stores events a moment after it acts
+        while not (events := _anchor_events(job_id)) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert len(events) == 1, (job_id, events)
+        assert len(_publish_runs(job_id)) == 1, job_id
 
 
 def test_the_environment_wins_over_run_parameters_which_win_over_the_file(job: Job) -> None:
@@ -166,7 +236,7 @@ def test_the_environment_wins_over_run_parameters_which_win_over_the_file(job: J
 
 def test_runs_are_named_after_the_job(job: Job) -> None:
     job_id = job.config.job_id
-    assert job.train.name == f"train-{job_id}"
+    assert job.train.name == job_id  # a new job: named after the deployment, with its time
     assert job.publish.name == f"publish-{job_id}-step-8"
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(
@@ -288,7 +358,7 @@ def test_demo_on_a_running_stack_lets_the_trigger_publish(
     assert "the anchor event triggers the publish/publish deployment" in proc.stdout
     assert f"published: {model} version 1 (aliases: candidate, champion)" in proc.stdout
     assert "Prefect UI: http://127.0.0.1:" in proc.stdout and "temporary API" not in out
-    job_id = re.search(r"training job (demo-\d{8}-\d{6})", proc.stdout).group(1)
+    job_id = re.search(r"training job (demo-\d{8}-\d{6}-[0-9a-f]{4})", proc.stdout).group(1)
     from mlflow import MlflowClient
 
     versions = MlflowClient(mlflow_server).search_model_versions(f"name = '{model}'")

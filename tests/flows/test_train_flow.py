@@ -7,6 +7,7 @@ the ledger, the ETT report and MLflow tracking (SQLite) are real.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,12 @@ from prefect.events.worker import EventsWorker
 import flows.train_flow as train_module
 from flows.report_flow import ett_report_flow
 from infra import storage
+from infra.accounting.ledger import Ledger
+from infra.accounting.ledger_format import Mark
 from infra.preflight import PreflightError
 from infra.settings import dump_config
 from tasks.events import ANCHOR_EVENT
+from tasks.job_identity import JobFinished
 from tasks.report import artifact_key
 from tests.factories import tiny_config, use_launcher, write_dataset
 
@@ -155,6 +159,42 @@ def test_train_flow_refuses_a_config_naming_no_data_before_any_attempt(
     assert line.startswith(f"data.url ({config.data.url}): no parquet shards"), line
     assert line in state.message and "\n" not in line
     assert not (tmp_path / "store" / "jobs" / "flow-no-data").exists()  # no attempt, no ledger
+
+
+def test_a_run_without_job_id_is_a_new_job_its_id_again_is_refused_and_resume_continues(
+    tmp_path: Path, prefect_server: str, events: EventsWorker, fake_trainer: None
+) -> None:
+    """A flow call without job_id: a new job named after the flow and the time (the run's
+    name); its id again: refused in one line, its anchor not announced again; ``resume``:
+    the newest unfinished job the flow started, and the run renamed after it."""
+    config = tiny_config(tmp_path, job_id=None, train=FAKE_TRAIN)
+    write_dataset(config)
+    path = tmp_path / "job.yaml"
+    dump_config(config, path)
+
+    first = train_module.train_flow(config=str(path))
+    job_id = first["job_id"]
+    assert re.fullmatch(r"train-\d{8}-\d{6}-[0-9a-f]{4}", job_id), job_id
+    again = train_module.train_flow(
+        config=str(path), overrides={"job_id": job_id}, return_state=True
+    )
+    assert again.is_failed()
+    with pytest.raises(JobFinished, match=f"^job {job_id} is finished"):
+        again.result()
+    assert "\n" not in str(again.message)
+
+    killed = config.model_copy(update={"job_id": "train-20261201-100000-aaaa"})  # older
+    storage.configure(killed.storage)
+    with Ledger(killed.layout, attempt=0, rank=0, role="orchestrator") as ledger:
+        ledger.mark(Mark.FAILURE, step=3, cause="sigkill", exit_code=-9)
+    state = train_module.train_flow(config=str(path), resume=True, return_state=True)
+    assert state.result()["job_id"] == killed.job_id
+    assert [a.split(":")[0] for a in state.result()["attempts"]] == ["attempt 1"]
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(state.state_details.flow_run_id)
+    assert run.name == killed.job_id  # renamed from train-resume
+    announced = [e.payload["job_id"] for e in _anchor_events(events)]
+    assert sorted(announced) == sorted([job_id, killed.job_id])  # once per anchor
 
 
 def test_the_jobs_ledger_is_read_once_at_the_end_of_a_flow_run(

@@ -19,7 +19,8 @@ def test_defaults_are_valid_and_hash_is_stable() -> None:
     a, b = load_config(), load_config()
     assert a.train.steps > 0
     assert a.model_hash() == b.model_hash()
-    assert a.layout.url.endswith("/jobs/demo")
+    assert a.job_id is None  # a new job: its start gives it an id (tasks/job_identity.py)
+    assert a.model_copy(update={"job_id": "j1"}).layout.url.endswith("/jobs/j1")
 
 
 def test_yaml_file_and_env_override(tmp_path, monkeypatch) -> None:
