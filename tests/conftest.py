@@ -8,6 +8,10 @@ from collections import Counter
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# The test servers (which inherit this environment) retry a flow run that waits for its
+# deployment's concurrency slot (publish: one at a time, ENQUEUE) after 2 s, not Prefect's
+# default 30 s: the wait is what the tests check, not its length.
+os.environ.setdefault("PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS", "2")
 
 import pytest  # noqa: E402
 
