@@ -15,6 +15,7 @@ os.environ.setdefault("PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS"
 
 import pytest  # noqa: E402
 
+from tests.factories import tiny_config, write_dataset  # noqa: E402
 from tests.servers import (  # noqa: E402,F401
     STACK_FIXTURES,
     mlflow_server,
@@ -37,6 +38,15 @@ LONGEST = (
     "tests/tasks/test_node_fleet.py",
     "tests/tasks/test_agent_pool.py",
 )
+
+
+@pytest.fixture(scope="session")
+def data_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One small data set for every test that trains on any (seconds to write, the same rows
+    whoever writes them); a module may override it (its own data on S3, say)."""
+    config = tiny_config(tmp_path_factory.mktemp("data"))
+    write_dataset(config)
+    return config.data.url
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -19,12 +19,7 @@ from infra.accounting.ledger_read import read_events
 from infra.exit_codes import Outcome
 from infra.settings import JobConfig
 from tasks.orchestrator import JobOutcome, run
-from tests.factories import (
-    assert_bit_identical,
-    resume_marks,
-    tiny_config,
-    write_dataset,
-)
+from tests.factories import assert_bit_identical, resume_marks, tiny_config
 
 EVERY = 5
 
@@ -50,14 +45,6 @@ SECTIONS = {
         "preemption_budget_s": 20,
     },
 }
-
-
-@pytest.fixture(scope="module")
-def data_url(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """One data set for every job of the module (the same rows whoever writes it)."""
-    config = tiny_config(tmp_path_factory.mktemp("resume-data"))
-    write_dataset(config)
-    return config.data.url
 
 
 @pytest.fixture(scope="module")
