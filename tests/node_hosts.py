@@ -10,12 +10,15 @@ through a Prefect server and its workers, is tests/reliability/test_multi_host.p
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -33,12 +36,21 @@ class Host:
     scratch: Path
 
 
-def hosts(tmp_path: Path, count: int) -> list[Host]:
-    """``count`` hosts on loopback, 127.0.0.2 up, each with a scratch folder."""
+def hosts(count: int, under: Path | None = None) -> list[Host]:
+    """``count`` hosts on loopback, 127.0.0.2 up, each with a scratch folder: ``under``
+    /host{n}, or by default a short folder in the temp folder, removed when this process
+    exits. A node run binds its agent pool's socket in its scratch folder, and a test's own
+    folder under pytest-xdist (``.../popen-gw1/test_a_node_run_killed_mid_job0``) pushed
+    that path past the 107 bytes a Unix socket may have: the pool was unusable and each node
+    started a fresh launcher instead, which is not what the multi-host tests mean to run."""
     out = []
     for n in range(count):
-        scratch = tmp_path / f"host{n}"
-        scratch.mkdir(parents=True, exist_ok=True)
+        if under is None:
+            scratch = Path(tempfile.mkdtemp(prefix=f"ett-h{n}-"))
+            atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+        else:
+            scratch = under / f"host{n}"
+            scratch.mkdir(parents=True, exist_ok=True)
         out.append(Host(f"127.0.0.{n + 2}", scratch))
     return out
 

@@ -158,7 +158,7 @@ def hosts_job(
 ) -> Iterator[HostsJob]:
     """``count`` hosts with a worker each (host ``skewed``'s clock SHIFT_S ahead) and the
     job's orchestrator, ``ett train --config``; every process of it ended afterwards."""
-    placed = hosts(tmp_path, count)
+    placed = hosts(count)
     slow = {ENV_STEP_DELAY: str(STEP_DELAY_S)}
     with node_workers(placed, slow, tmp_path, host_env=_skew(skewed)) as workers:
         train = EttTrain(config, tmp_path, env={ENV_ADVERTISE: ORCHESTRATOR_ADDRESS})

@@ -65,6 +65,12 @@ def pool(tmp_path: Path, pool_env: dict[str, str]) -> Iterator[PoolProcess]:
         pool.stop()
 
 
+# A job that is still training when the test acts at its step 5 (each test checks that it
+# was): ~4 s of steps at full speed on a quiet machine. The attempt relaunched after a kill
+# trains them all again, so more steps only make the test longer.
+STEPS_TO_ACT_IN = 150
+
+
 def _job(tmp_path: Path, steps: int) -> Path:
     config = tiny_config(tmp_path, train={"steps": steps})
     write_dataset(config)
@@ -130,7 +136,7 @@ def _failures(tmp_path: Path) -> list[tuple[int, int]]:
 def test_a_claimed_agent_killed_from_outside_is_a_lost_worker(
     tmp_path: Path, pool: PoolProcess, pool_env: dict[str, str]
 ) -> None:
-    path = _job(tmp_path, steps=600)
+    path = _job(tmp_path, steps=STEPS_TO_ACT_IN)
     job = _train_until_it_steps(path, {**pool_env, ENV_POOL: pool.socket})
     try:
         os.kill(pool.claimed()[0], signal.SIGKILL)  # attempt 0's launcher
@@ -160,12 +166,13 @@ def test_a_claimed_agent_trains_on_when_its_pool_is_killed(
 ) -> None:
     """A claimed agent is its orchestrator's: the pool's death (SIGKILL, no goodbye) ends
     only what was still parked, and the job finishes on the agent it claimed."""
-    path = _job(tmp_path, steps=600)
+    path = _job(tmp_path, steps=STEPS_TO_ACT_IN)
     job = _train_until_it_steps(path, {**pool_env, ENV_POOL: pool.socket})
     try:
         agent = pool.claimed()[0]
         pool.proc.kill()
         pool.proc.wait(timeout=30)
+        assert job.poll() is None, "the job ended before its pool was killed"
         out, _ = job.communicate(timeout=300)
     finally:
         if job.poll() is None:

@@ -64,7 +64,7 @@ def node_runs(tmp_path: Path) -> Iterator[tuple[JobConfig, SubprocessNodeRuns]]:
         config = _config(tmp_path, **recovery)
         env = {MARKER: str(tmp_path), "FAKE_STEP_S": "0.1", **(host_env or {})}
         runs = SubprocessNodeRuns(
-            config.layout.url, hosts(tmp_path, count), env, {"launcher": [FAKE]}
+            config.layout.url, hosts(count, tmp_path), env, {"launcher": [FAKE]}
         )
         made.append(runs)
         return config, runs
@@ -173,7 +173,7 @@ def test_node_runs_end_when_their_orchestrator_is_killed(node_runs, tmp_path: Pa
         "from pathlib import Path\n"
         "config = JobConfig.model_validate_json(sys.argv[1])\n"
         f"env = {{{MARKER!r}: {str(tmp_path)!r}, 'FAKE_STEP_S': '0.2'}}\n"
-        "runs = SubprocessNodeRuns(config.layout.url, hosts(Path(sys.argv[2]), 2), env,"
+        "runs = SubprocessNodeRuns(config.layout.url, hosts(2, Path(sys.argv[2])), env,"
         f" {{'launcher': [{FAKE!r}]}})\n"
         "run(config, node_runs=runs)\n"
     )

@@ -9,6 +9,7 @@ deterministic), so every recovery must also show its ``resume`` mark at the step
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,12 +19,7 @@ from infra.accounting.ledger_read import read_events
 from infra.exit_codes import Outcome
 from infra.settings import JobConfig
 from tasks.orchestrator import JobOutcome, run
-from tests.factories import (
-    assert_bit_identical,
-    resume_marks,
-    tiny_config,
-    write_dataset,
-)
+from tests.factories import assert_bit_identical, resume_marks, tiny_config
 
 EVERY = 5
 
@@ -51,21 +47,40 @@ SECTIONS = {
 }
 
 
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory, data_url: str) -> Callable[[int], JobConfig]:
+    """The uninterrupted job of SECTIONS on ``nproc`` ranks, run once per module and
+    compared with every faulted job of that many ranks (with or without a standby: an
+    unused standby changes no weight, so a promoted one must match a job that had none)."""
+    done: dict[int, JobConfig] = {}
+
+    def of(nproc: int) -> JobConfig:
+        if nproc not in done:
+            tmp = tmp_path_factory.mktemp(f"clean-{nproc}proc")
+            config = tiny_config(tmp, job_id="clean", data={"url": data_url}, **SECTIONS)
+            assert run_job(config, tmp, nproc, standby=False).succeeded
+            done[nproc] = config
+        return done[nproc]
+
+    return of
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2], ids=["1proc", "2proc"])
-def test_relaunched_after_sigkills_is_bit_identical(tmp_path, nproc: int) -> None:
+def test_relaunched_after_sigkills_is_bit_identical(
+    tmp_path, data_url: str, clean: Callable[[int], JobConfig], nproc: int
+) -> None:
     """Cold relaunches (no standby): SIGKILL mid-step and mid-upload."""
     faults = [
         {"kind": "sigkill_mid_upload", "step": 10, "attempt": 0},
         {"kind": "sigkill", "step": 18, "attempt": 1},
     ]
-    clean = tiny_config(tmp_path, job_id="clean", **SECTIONS)
-    write_dataset(clean)
-    assert run_job(clean, tmp_path, nproc, standby=False).succeeded
-    killed = tiny_config(tmp_path, job_id="killed", faults=faults, **SECTIONS)
+    reference = clean(nproc)
+    data = {"url": data_url}
+    killed = tiny_config(tmp_path, job_id="killed", data=data, faults=faults, **SECTIONS)
     outcome = run_job(killed, tmp_path, nproc, standby=False)
     assert [a.outcome for a in outcome.attempts] == [Outcome.SIGKILL] * 2 + [Outcome.SUCCESS]
-    assert_bit_identical(clean, killed, 25)
+    assert_bit_identical(reference, killed, 25)
     # Each relaunch resumed from a COMMITTED checkpoint before its kill; a kill mid-upload of
     # step 10 left step 10 uncommitted, so attempt 1 resumed from step 5.
     got = resume_marks(killed)
@@ -74,7 +89,9 @@ def test_relaunched_after_sigkills_is_bit_identical(tmp_path, nproc: int) -> Non
 
 
 @pytest.mark.slow
-def test_standby_promotion_and_in_process_restart_are_bit_identical(tmp_path) -> None:
+def test_standby_promotion_and_in_process_restart_are_bit_identical(
+    tmp_path, data_url: str, clean: Callable[[int], JobConfig]
+) -> None:
     """One crash recovered in process, a lost worker and a preemption each recovered by a
     promoted warm standby."""
     faults = [
@@ -82,14 +99,12 @@ def test_standby_promotion_and_in_process_restart_are_bit_identical(tmp_path) ->
         {"kind": "sigkill", "step": 17, "attempt": 0},
         {"kind": "sigterm", "step": 21, "attempt": 1},
     ]
-    clean = tiny_config(tmp_path, job_id="clean", **SECTIONS)
-    write_dataset(clean)
-    assert run_job(clean, tmp_path, 2, standby=True).succeeded
-    faulted = tiny_config(tmp_path, job_id="faulted", faults=faults, **SECTIONS)
+    data = {"url": data_url}
+    faulted = tiny_config(tmp_path, job_id="faulted", data=data, faults=faults, **SECTIONS)
     outcome = run_job(faulted, tmp_path, 2, standby=True)
     got = [(a.outcome, a.from_standby) for a in outcome.attempts]
     assert got == [(Outcome.SIGKILL, False), (Outcome.PREEMPTED, True), (Outcome.SUCCESS, True)]
-    assert_bit_identical(clean, faulted, 25)
+    assert_bit_identical(clean(2), faulted, 25)
     marks = resume_marks(faulted)
     assert marks[0] == (0, 5, True)  # the crash at step 8: step 5 was the newest commit
     assert marks[1][:2] in ((1, 10), (1, 15)) and not marks[1][2]  # promoted after step 16
@@ -101,14 +116,14 @@ def test_standby_promotion_and_in_process_restart_are_bit_identical(tmp_path) ->
 
 
 @pytest.mark.slow
-def test_compiled_step_resumes_bit_identical(tmp_path) -> None:
+def test_compiled_step_resumes_bit_identical(tmp_path, data_url: str) -> None:
     """The default compiled step: the relaunch loads the compile cache of the first attempt."""
     sections = {**SECTIONS, "train": {**SECTIONS["train"], "steps": 15, "compile": True}}
     faults = [{"kind": "sigkill", "step": 12, "attempt": 0}]
-    clean = tiny_config(tmp_path, job_id="clean", **sections)
-    write_dataset(clean)
+    data = {"url": data_url}
+    clean = tiny_config(tmp_path, job_id="clean", data=data, **sections)
     assert run_job(clean, tmp_path, 1, standby=False).succeeded
-    killed = tiny_config(tmp_path, job_id="killed", faults=faults, **sections)
+    killed = tiny_config(tmp_path, job_id="killed", data=data, faults=faults, **sections)
     outcome = run_job(killed, tmp_path, 1, standby=False)
     assert [a.outcome for a in outcome.attempts] == [Outcome.SIGKILL, Outcome.SUCCESS]
     assert_bit_identical(clean, killed, 15)
