@@ -53,6 +53,7 @@ from tasks.local_node import LocalNode, Log
 
 POLL_S = 0.2  # how often the running launch is looked at
 ORDER_EVERY_S = 0.5  # how often the orders are read from storage
+UNIX_PATH_MAX = 107  # a unix socket's path on Linux (sun_path, less its terminator)
 
 
 class NodeRunner:
@@ -133,7 +134,7 @@ class NodeRunner:
         if self.config.launch.agent_pool or self._seams.get("launcher"):
             self._agent_pool = self.config.launch.agent_pool
         else:
-            path = os.path.join(self.scratch, "agents.sock")
+            path = self._pool_socket()
             self._pool = AgentPool(path, size=1)  # refills once a launch had its start
             self._pool_thread = threading.Thread(target=self._pool.serve, daemon=True)
             self._pool_thread.start()
@@ -147,6 +148,15 @@ class NodeRunner:
         if self._pool is None:
             return None
         return any(agent.ready for agent in list(self._pool.parked))
+
+    def _pool_socket(self) -> str:
+        """Its pool's socket: in its scratch folder where the path fits a unix socket's 107
+        bytes, else in /tmp (a deep scratch folder would otherwise turn the pool off, and
+        every launch would start cold)."""
+        path = os.path.join(self.scratch, "agents.sock")
+        if len(os.fsencode(path)) <= UNIX_PATH_MAX:
+            return path
+        return os.path.join("/tmp", f"ett-{self.key}-{os.getpid()}.sock")
 
     def _close_pool(self) -> None:
         if self._pool is not None:

@@ -248,3 +248,16 @@ def test_rank_0s_progress_is_reported_from_whichever_node_holds_it(tmp_path: Pat
     attempt = AttemptProcess(0, False, LaunchSpec.of(config, "unused.yaml"), logging.getLogger("t"))
     attempt.nodes = [_Ranks(None), _Ranks(progress)]  # type: ignore[list-item]
     assert attempt.progress() == progress
+
+
+def test_a_node_runs_pool_socket_fits_however_deep_its_scratch_folder(tmp_path: Path) -> None:
+    """A unix socket's path has 107 bytes: in a deep scratch folder the pool would be
+    unusable and every launch would start a cold launcher."""
+    config = _config(tmp_path)
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    for scratch in (tmp_path, deep):
+        runner = NodeRunner(config.layout, "n7", logging.getLogger("test"), scratch=str(scratch))
+        path = runner._pool_socket()
+        assert len(os.fsencode(path)) <= 107, path
+        assert path.startswith(runner.scratch) == (scratch == tmp_path), path

@@ -132,18 +132,19 @@ def test_compiled_step_resumes_bit_identical(tmp_path, data_url: str) -> None:
 
 @pytest.mark.slow
 def test_a_standby_parked_host_side_resumes_bit_identical_with_the_compiled_step(
-    tmp_path,
+    tmp_path, data_url: str
 ) -> None:
     """``standby_park: host``, a GPU host's default, forced on the CPU (the same code path):
     the promoted standby puts its model on the device and warms up the compiled step only
     after its promotion, and the job still ends bit-identical."""
     sections = {**SECTIONS, "train": {**SECTIONS["train"], "steps": 15, "compile": True}}
     faults = [{"kind": "sigkill", "step": 12, "attempt": 0}]
-    clean = tiny_config(tmp_path, job_id="clean", **sections)
-    write_dataset(clean)
+    data = {"url": data_url}
+    clean = tiny_config(tmp_path, job_id="clean", data=data, **sections)
     assert run_job(clean, tmp_path, 1, standby=False).succeeded
+    park = {"standby_park": "host"}
     killed = tiny_config(
-        tmp_path, job_id="killed", faults=faults, recovery={"standby_park": "host"}, **sections
+        tmp_path, job_id="killed", data=data, faults=faults, recovery=park, **sections
     )
     outcome = run_job(killed, tmp_path, 1, standby=True)
     got = [(a.outcome, a.from_standby) for a in outcome.attempts]
