@@ -163,7 +163,7 @@ BREAKS = (
         "tasks/agent_pool.py",
         (
             (
-                "        mismatch = agent_pool.import_env_mismatch("
+                "        mismatch = agent_protocol.import_env_mismatch("
                 'self.env, request.get("env", {}))\n',
                 "        mismatch = None\n",
             ),
