@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import platform
 import signal
 import statistics
 import sys
@@ -44,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.save import save_json  # noqa: E402
+from benchmarks.save import run_record, save_json  # noqa: E402
 from infra.accounting.ett import report_for_job  # noqa: E402
 from infra.devstack import servers  # noqa: E402
 from infra.job_layout import JobLayout  # noqa: E402
@@ -258,8 +257,7 @@ def main() -> int:
     result = (bench_spare if args.what == "spare" else bench_headline)(work, args)
     result |= {
         "args": vars(args),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "minutes": round((time.time() - started) / 60, 1),
+        **run_record(started),
     }
     save_json(result, args.out or OUT / f"hosts-{args.what}.json")
     return 0

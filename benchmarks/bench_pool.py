@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.save import save_json  # noqa: E402
+from benchmarks.save import run_record, save_json  # noqa: E402
 from infra.accounting.ett import report_for_job  # noqa: E402
 from infra.accounting.ledger_format import Span  # noqa: E402
 from infra.accounting.ledger_read import read_events  # noqa: E402
@@ -178,8 +177,7 @@ def main() -> int:
             "rows": rows,
             "median_s": medians,
             "pooled_over_cold": [round(r, 3) for r in ratios],
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-            "minutes": round((time.time() - started) / 60, 1),
+            **run_record(started),
         },
         ROOT / "benchmarks" / "results" / "pool.json",
     )

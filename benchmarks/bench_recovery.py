@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import signal
 import statistics
 import sys
@@ -41,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.save import save_json  # noqa: E402
+from benchmarks.save import run_record, save_json  # noqa: E402
 from infra import processes  # noqa: E402
 from infra.accounting.ett import report_for_job  # noqa: E402
 from infra.control import Phase, Progress  # noqa: E402
@@ -184,8 +183,7 @@ def main() -> int:
         "args": vars(args),
         "summary": summary,
         "rows": rows,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "minutes": round((time.time() - started) / 60, 1),
+        **run_record(started),
     }
     save_json(result, args.out)
     return 0

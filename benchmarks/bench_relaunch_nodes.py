@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -43,7 +42,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_recovery import one_failure  # noqa: E402
-from benchmarks.save import save_json  # noqa: E402
+from benchmarks.save import run_record, save_json  # noqa: E402
 from infra.accounting.ett import report_for_job  # noqa: E402
 from infra.accounting.ledger_format import Span  # noqa: E402
 from infra.settings import JobConfig  # noqa: E402
@@ -162,8 +161,7 @@ def main() -> int:
             for key, line in lines.items()
         },
         "rows": rows,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "minutes": round((time.time() - started) / 60, 1),
+        **run_record(started),
     }
     save_json(result, args.out)
     return 0

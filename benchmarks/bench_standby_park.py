@@ -26,8 +26,6 @@ Prints a markdown table and writes docs/results/standby-park.json.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -40,7 +38,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_recovery import KillAttemptAt, one_failure  # noqa: E402
-from benchmarks.save import save_json  # noqa: E402
+from benchmarks.save import run_record, save_json  # noqa: E402
 from infra import storage  # noqa: E402
 from infra.accounting.ett import report_for_job  # noqa: E402
 from infra.accounting.ledger_format import Mark, file_name  # noqa: E402
@@ -164,8 +162,7 @@ def main() -> int:
         "args": vars(args),
         "summary": summary,
         "rows": rows,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "minutes": round((time.time() - started) / 60, 1),
+        **run_record(started),
     }
     save_json(result, args.out)
     return 0

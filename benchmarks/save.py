@@ -4,6 +4,9 @@ run_all.py and the docs read. One writer, so every result file is written the sa
 from __future__ import annotations
 
 import json
+import os
+import platform
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,3 +20,12 @@ def save_json(result: Mapping[str, Any], out: str | Path) -> Path:
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"\nwrote {out}")
     return out
+
+
+def run_record(started: float) -> dict[str, Any]:
+    """What every result records beside its numbers: the machine, and how long the run took
+    (``started``: its ``time.time()`` at the start)."""
+    return {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "minutes": round((time.time() - started) / 60, 1),
+    }
