@@ -610,7 +610,11 @@ def test_orchestrator_death_stops_its_trainers(tmp_path: Path) -> None:
         f"run(load_resolved({spec.config_path!r}), launcher=({FAKE!r},), "
         f"env={_env(tmp_path)!r})\n"
     )
-    orchestrator = subprocess.Popen([sys.executable, "-c", script])
+    # Its control folders outlive a SIGKILL (nobody is left to remove them): in the test's.
+    temp = tmp_path / "orchestrator-tmp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp)}
+    orchestrator = subprocess.Popen([sys.executable, "-c", script], env=env)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not any(
         e.name == Mark.STANDBY_READY for e in read_events(config.layout)
