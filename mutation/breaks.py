@@ -456,6 +456,32 @@ BREAKS = (
         (("    if job_id is None and resume:\n", "    if job_id is None:\n"),),
         ("tests/tasks/test_job_identity.py",),
     ),
+    Break(
+        "B47",
+        "the ETT headline's section sorts ahead of the training curves in MLflow's metrics tab",
+        "infra/tracking/metrics.py",
+        (('WALL_TIME = "wall_time/"\n', 'WALL_TIME = "ett/"\n'),),
+        ("tests/infra/test_tracking.py",),
+    ),
+    Break(
+        "B48",
+        "the run's eval points of earlier steps are linked to an anchor's LoggedModel too",
+        "infra/tracking/logged_models.py",
+        (("        if m.step == step\n", "        if m.step <= step\n"),),
+        ("tests/infra/test_tracking.py",),
+    ),
+    Break(
+        "B49",
+        "logging a job again makes a second LoggedModel of its anchor (and a second output)",
+        "infra/tracking/logged_models.py",
+        (
+            (
+                "    model = find_model(ml, experiment_id, ckpt)\n    if model is None:\n",
+                "    model = None\n    if model is None:\n",
+            ),
+        ),
+        ("tests/infra/test_tracking.py",),
+    ),
 )
 
 
