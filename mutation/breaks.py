@@ -472,12 +472,12 @@ BREAKS = (
     ),
     Break(
         "B49",
-        "logging a job again makes a second LoggedModel of its anchor (and a second output)",
+        "an anchor rewritten at the same URL reuses the old checkpoint's LoggedModel",
         "infra/tracking/logged_models.py",
         (
             (
-                "    model = find_model(ml, experiment_id, ckpt)\n    if model is None:\n",
-                "    model = None\n    if model is None:\n",
+                "        found += [m for m in page if m.params.get(KEY_PARAM) == ckpt.key]\n",
+                "        found += list(page)\n",
             ),
         ),
         ("tests/infra/test_tracking.py",),

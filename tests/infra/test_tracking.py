@@ -324,6 +324,21 @@ def test_job_run_holds_report_curves_attempts_and_artifacts(
     table_again = client.download_artifacts(run_id, "ett/buckets.json", str(tmp_path / "t2"))
     assert json.loads(Path(table_again).read_text()) == table
 
+    # The anchor rewritten at the same URL (a retried anchor: another manifest) is another
+    # checkpoint, as the registry's anchor_key says: a model of its own, not the old one.
+    manifest = Manifest(step=20, world_size=1, config_hash="h", files={}, anchor=True)
+    storage.write_text(
+        storage.join(anchor_url, MANIFEST), replace(manifest, job_id="job-report").to_json()
+    )
+    mlflow_runs.log_job_report(run_id, JobSummary.read(config.layout), data_url=config.data.url)
+    models = client.search_logged_models([run.info.experiment_id], named)
+    assert len(models) == 2
+    rewritten = next(x for x in models if x.model_id != model.model_id)
+    assert rewritten.params["anchor_world_size"] == "1"
+    assert rewritten.params["anchor_key"] != model.params["anchor_key"]
+    outputs = client.get_run(run_id).outputs.model_outputs
+    assert sorted(o.model_id for o in outputs) == sorted(x.model_id for x in models)
+
 
 def test_a_job_run_again_keeps_its_one_run(
     tmp_path: Path, store: str, monkeypatch: pytest.MonkeyPatch
