@@ -314,9 +314,8 @@ def test_job_run_holds_report_curves_attempts_and_artifacts(
     mlflow_runs.log_job_report(run_id, JobSummary.read(config.layout), data_url=config.data.url)
     again = client.get_run(run_id)
     assert [o.model_id for o in again.outputs.model_outputs] == [model.model_id]
-    found = client.search_logged_models(
-        [run.info.experiment_id], "name = 'ranker-job-report-step20'"
-    )
+    by_name = "name = 'ranker-job-report-step20'"
+    found = client.search_logged_models([run.info.experiment_id], by_name)
     assert [x.model_id for x in found] == [model.model_id]
     assert len(client.get_logged_model(model.model_id).metrics) == 2
     assert json.loads(again.data.tags["mlflow.loggedArtifacts"]) == listed
@@ -331,7 +330,7 @@ def test_job_run_holds_report_curves_attempts_and_artifacts(
         storage.join(anchor_url, MANIFEST), replace(manifest, job_id="job-report").to_json()
     )
     mlflow_runs.log_job_report(run_id, JobSummary.read(config.layout), data_url=config.data.url)
-    models = client.search_logged_models([run.info.experiment_id], named)
+    models = client.search_logged_models([run.info.experiment_id], by_name)
     assert len(models) == 2
     rewritten = next(x for x in models if x.model_id != model.model_id)
     assert rewritten.params["anchor_world_size"] == "1"
