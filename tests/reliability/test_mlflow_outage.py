@@ -207,6 +207,7 @@ def test_mlflow_stopped_mid_job_and_restarted(
     assert _attempts(client, run) == [("0", "crash", "FAILED"), ("1", "success", "FINISHED")]
     assert [a.path for a in client.list_artifacts(run.info.run_id, "ett")] == [
         "ett/breakdown.png",
+        "ett/buckets.json",
         "ett/report.json",
         "ett/report.md",
         "ett/report.txt",
@@ -248,5 +249,9 @@ def test_job_trained_while_mlflow_was_down_is_logged_by_ett_report_log(
     assert run.data.metrics[names.NUM_FAILURES] == 1.0
     assert run.data.metrics[names.ETT_PCT] == round(outcome["report"]["ett_pct"], 2)
     assert _attempts(client, run) == [("0", "crash", "FAILED"), ("1", "success", "FINISHED")]
+    # The anchor, logged late with the rest: a LoggedModel of the run at its step.
+    (output,) = run.outputs.model_outputs
+    assert output.step == 20
+    assert client.get_logged_model(output.model_id).name == f"ranker-{config.job_id}-step20"
     exp = client.get_experiment(run.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
