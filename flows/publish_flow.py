@@ -18,7 +18,7 @@ from prefect import flow, get_run_logger
 
 from flows.run_names import publish_run_name
 from tasks import publish as stages
-from tasks.artifacts import gate_of, gate_summary, link_runs, show_publication
+from tasks.artifacts import gate_of, link_runs, show_publication
 from tasks.events import emit_model_published
 
 
@@ -63,15 +63,15 @@ def publish_flow(
     summary["gate"] = gate = gate_of(summary, pub)
     show_publication(pub.client.tracking_uri, summary, gate)
     emit_model_published(summary, train_flow_run_id, gate)
-    logger.info("%s", gate_summary(gate, result.registered_model, result.version))
     verb = "was already published as" if result.already_published else "published as"
     logger.info(
-        "%s %s %s version %s (aliases: %s)",
+        "%s %s %s version %s (aliases: %s); %s",
         uri,
         verb,
         result.registered_model,
         result.version,
         ", ".join(result.aliases) or "none",
+        "no new gate decision" if gate is None else gate["reason"],
     )
     return summary
 

@@ -243,16 +243,15 @@ def gate_of(result: dict[str, Any], pub: Any) -> dict[str, Any] | None:
     champion_version = tags.get("champion_version_at_publish")
     auc, champion_auc = pub.validation.auc, result.get("champion_auc")
     margin = pub.settings.champion_margin
+    versus = f"AUC {auc:.4f} vs {champion_auc or float('nan'):.4f} (champion v{champion_version})"
     if champion_version is None:
-        reason = "no champion yet: the first version becomes champion"
+        reason = "promoted to champion: first version"
+    elif result["promoted"]:
+        reason = f"promoted to champion: {versus}"
     elif champion_auc is None:
-        reason = f"champion v{champion_version} could not be re-scored: kept as candidate"
+        reason = f"kept as candidate: champion v{champion_version} could not be re-scored"
     else:
-        cmp = ">=" if result["promoted"] else "<"
-        reason = (
-            f"AUC {auc:.4f} {cmp} champion v{champion_version}'s {champion_auc:.4f} "
-            f"- margin {margin:g}"
-        )
+        reason = f"kept as candidate: {versus}, below the champion - margin {margin:g}"
     return {
         "candidate_auc": auc,
         "candidate_logloss": pub.validation.logloss,
@@ -280,15 +279,18 @@ def gate_decision(gate: dict[str, Any]) -> str:
     return "promoted to champion" if gate["promoted"] else "kept as candidate"
 
 
-def gate_rows(gate: dict[str, Any] | None) -> list[dict[str, Any]]:
+ALREADY = "already published: an earlier publish run registered this anchor"
+
+
+def gate_rows(gate: dict[str, Any] | None, already_published: bool = False) -> list[dict[str, Any]]:
     """The gate as table rows: AUC and log-loss of the candidate against the champion, the
     champion margin, the parity check against its tolerance, the decision and its reason
     (AUC and log-loss rounded to 4 places, parity to 3 significant digits). An anchor
-    published before has no new decision: one row says so."""
+    published before made no new decision: its reason says so, after the earlier decision
+    when that one is known; with none, one row says so."""
     columns = ("check", "candidate", "champion", "margin or tolerance", "result")
     if gate is None:
-        reason = "already published: an earlier publish run registered this anchor"
-        return [dict(zip(columns, ("decision", None, None, None, reason), strict=True))]
+        return [dict(zip(columns, ("decision", None, None, None, ALREADY), strict=True))]
     auc, champion_auc, margin = gate["candidate_auc"], gate["champion_auc"], gate["margin"]
     if gate["champion_version"] is None:
         auc_result = "no champion to compare with"
@@ -297,6 +299,7 @@ def gate_rows(gate: dict[str, Any] | None) -> list[dict[str, Any]]:
     else:  # the gate's own comparison (publish/registry.should_promote), not redone here
         promoted = gate["promoted"]
         auc_result = "at least champion - margin" if promoted else "below champion - margin"
+    reason = f"{ALREADY}; then: {gate['reason']}" if already_published else gate["reason"]
     parity, tolerance = gate["parity_max_abs_diff"], gate["parity_tolerance"]
     within = parity is not None and parity == parity and parity <= tolerance
     champion = f"v{gate['champion_version']}" if gate["champion_version"] else "none"
@@ -316,15 +319,17 @@ def gate_rows(gate: dict[str, Any] | None) -> list[dict[str, Any]]:
             tolerance,
             "within tolerance" if within else "exceeds tolerance",
         ),
-        ("decision", gate_decision(gate), champion, None, gate["reason"]),
+        ("decision", gate_decision(gate), champion, None, reason),
     )
     return [dict(zip(columns, row, strict=True)) for row in rows]
 
 
-def gate_summary(gate: dict[str, Any] | None, name: str, version: str) -> str:
-    """One line: ``promoted to champion: AUC 0.7812 vs 0.7765 (v2)``, ``kept as candidate:
-    ...``, or ``already published``."""
-    if gate is None:
+def gate_summary(
+    gate: dict[str, Any] | None, name: str, version: str, already_published: bool = False
+) -> str:
+    """One line: ``ranker version 3 promoted to champion: AUC 0.7812 vs 0.7765 (v2)``,
+    ``... kept as candidate: ...``, or ``... was already published: no new gate decision``."""
+    if gate is None or already_published:
         return f"{name} version {version} was already published: no new gate decision"
     versus = (
         f" vs {gate['champion_auc']:.4f} (v{gate['champion_version']})"
@@ -336,13 +341,15 @@ def gate_summary(gate: dict[str, Any] | None, name: str, version: str) -> str:
 
 
 @task(name="gate-table-artifact", cache_policy=NO_CACHE, timeout_seconds=IO_TIMEOUT_S)
-def gate_table_artifact(gate: dict[str, Any] | None, name: str, version: str) -> str:
+def gate_table_artifact(gate: dict[str, Any] | None, result: dict[str, Any]) -> str:
     """The publish gate (``gate_rows``) as the table artifact ``gate-<scope>``."""
+    already = bool(result["already_published"])
+    name, version = result["registered_model"], result["version"]
     return str(
         create_table_artifact(
-            table=gate_rows(gate),
+            table=gate_rows(gate, already),
             key=stable_key("gate"),
-            description=gate_summary(gate, name, version),
+            description=gate_summary(gate, name, version, already),
         )
     )
 
@@ -358,6 +365,6 @@ def show_publication(
     except Exception as exc:  # noqa: BLE001
         logger().warning("no link to %s version %s: %s", name, version, exc)
     try:
-        gate_table_artifact(gate, name, version)
+        gate_table_artifact(gate, result)
     except Exception as exc:  # noqa: BLE001
         logger().warning("no gate table for %s version %s: %s", name, version, exc)

@@ -80,6 +80,10 @@ def test_an_anchor_published_before_has_a_table_that_says_so() -> None:
     (row,) = gate_rows(None)
     assert row["check"] == "decision" and row["result"].startswith("already published")
     assert "no new gate decision" in gate_summary(None, "ranker", "2")
+    earlier = _by_check(gate_rows(_gate(), already_published=True))  # the decision it had
+    assert earlier["decision"]["result"].startswith("already published")
+    assert earlier["decision"]["result"].endswith(_gate()["reason"])
+    assert "no new gate decision" in gate_summary(_gate(), "ranker", "2", already_published=True)
 
 
 def test_artifact_keys_name_the_deployment_not_the_job() -> None:
