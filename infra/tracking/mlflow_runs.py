@@ -34,6 +34,7 @@ from infra.accounting.records import EttReport
 from infra.accounting.report import format_table, plot_breakdown, recovery_lines, to_markdown
 from infra.accounting.summary import JobSummary
 from infra.exit_codes import Outcome
+from infra.naming import attempt_run_name
 from infra.settings import JobConfig
 from infra.tracking.client import client, ensure_experiment
 from infra.tracking.metrics import eval_rows, history_metrics, report_metrics, training_curves
@@ -201,7 +202,7 @@ def log_attempt(run_id: str, attempt: AttemptLike, *, tracking_uri: str | None =
             parent.info.experiment_id,
             start_time=int(attempt.started * 1000),
             tags=tags,
-            run_name=f"{job_id}-attempt{attempt.attempt}",
+            run_name=attempt_run_name(job_id, attempt.attempt),
         ).info.run_id
     at = int(attempt.ended * 1000)
     metrics = [Metric("duration_s", attempt.ended - attempt.started, at, 0)]

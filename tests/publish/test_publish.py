@@ -364,6 +364,7 @@ def test_prefect_flow_publishes_once(
     assert not first["already_published"] and "candidate" in first["aliases"]
     assert first["metrics"]["publish.parity_max_abs_diff"] <= 1e-5
     assert again["already_published"] and again["version"] == first["version"]
+    assert first["gate"]["promoted"] == first["promoted"] and again["gate"] is None  # no new one
     spans = [
         e.name
         for e in read_events(JobLayout.at(f"file://{dst.parents[1]}"))
