@@ -13,7 +13,7 @@ PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 TEST_WORKERS ?= 2
 
-.PHONY: install demo test lint bench bench-ett gpu-check mutate breaks stack stack-down clean
+.PHONY: install browser demo test lint bench bench-ett gpu-check mutate breaks stack stack-down clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,10 +25,20 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 
 install: $(STAMP)
 
+# The UI tests (tests/flows/test_deployments.py) read the MLflow and Prefect pages in headless
+# Chromium, driven over its DevTools protocol (tests/browser.py): Debian's package, installed
+# where missing (apt-get, through sudo unless root).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+		echo "installing Chromium (Debian package chromium) for the UI tests"; \
+		$(SUDO) apt-get update -q && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; }
+
 demo: install
 	$(BIN)/ett demo
 
-test: install
+test: install browser
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 -n $(TEST_WORKERS) --dist loadfile \

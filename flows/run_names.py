@@ -12,6 +12,8 @@ from typing import Any
 
 from prefect.runtime import flow_run
 
+from infra import naming
+
 log = logging.getLogger(__name__)
 
 
@@ -35,13 +37,13 @@ def _job_id(parameters: dict[str, Any]) -> str | None:
 
 def new_job_naming() -> dict[str, Any]:
     """How this flow run names a new job (``infra.settings.new_job_id``'s arguments): its
-    deployment's name (else its flow's), its scheduled start and its id's first hex digits,
-    so the run name and the flow's body give the job the same id, and a retry of the run
-    continues that job instead of starting another."""
-    from prefect.runtime import deployment
+    deployment's name, else its flow's (``tasks.report.run_scope``), its scheduled start
+    and its id's first hex digits, so the run name and the flow's body give the job the same
+    id, and a retry of the run continues that job instead of starting another."""
+    from tasks.report import run_scope
 
     try:
-        name = deployment.get_name() or flow_run.get_flow_name() or "train"
+        name = run_scope()
         when = flow_run.get_scheduled_start_time().timestamp()
         salt = str(flow_run.get_id() or "").replace("-", "")[:4] or None
     except Exception:  # noqa: BLE001 - outside a flow run
@@ -96,6 +98,6 @@ def publish_run_name() -> str:
     parameters = _parameters()
     job_id, step = parameters.get("job_id"), parameters.get("step")
     if job_id not in (None, "", "None") and step not in (None, "", "None"):
-        return f"publish-{job_id}-step-{step}"
+        return naming.publish_run_name(str(job_id), step)
     uri = str(parameters.get("uri") or "").rstrip("/")
     return f"publish-{uri.rsplit('/', 1)[-1]}" if uri else "publish"

@@ -77,7 +77,8 @@ def train_flow(
             and the time (the run's name); a ``job_id`` of an unfinished job continues it,
             of a finished one is refused (tasks/job_identity.py).
         resume: continue the newest unfinished job this deployment started.
-    Returns: job id and URL, attempts, anchor, MLflow run id and the ETT headline numbers.
+    Returns: job id and URL, this flow run's id, attempts, anchor, MLflow run id and the ETT
+        headline numbers.
     """
     scheduling = _scheduling()
     job = training.plan(config, overrides, resume, **new_job_naming())
@@ -90,8 +91,11 @@ def train_flow(
     assert orchestrator.result is not None
     outcome, report = orchestrator.result.outcome, observer.report
     anchor = find_anchor(job.layout) if outcome.succeeded else None
+    flow_run_id = flow_run.get_id()  # the publish run links back to this run
     event_id = (
-        None if anchor is None else emit_anchor_committed(anchor, job.job_id, observer.run_id)
+        None
+        if anchor is None
+        else emit_anchor_committed(anchor, job.job_id, observer.run_id, flow_run_id)
     )
     if outcome.succeeded and anchor is None:
         logger().warning(
@@ -105,6 +109,7 @@ def train_flow(
     return {
         "job_id": job.job_id,
         "job_url": job.layout.url,
+        "flow_run_id": flow_run_id,
         "mlflow_run_id": report["mlflow_run_id"] if report else observer.run_id,
         "message": outcome.message,
         "attempts": [a.describe() for a in outcome.attempts],

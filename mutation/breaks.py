@@ -481,6 +481,28 @@ BREAKS = (
             ),
         ),
         ("tests/infra/test_tracking.py",),
+        "B50",
+        "the anchor event leaves its train flow run out (the publish run links back to none)",
+        "tasks/events.py",
+        (
+            (
+                '"mlflow_run_id": mlflow_run_id,\n        "train_flow_run_id": train_flow_run_id,',
+                '"mlflow_run_id": mlflow_run_id,\n        "train_flow_run_id": None,',
+            ),
+        ),
+        ("tests/tasks/test_artifacts.py",),
+    ),
+    Break(
+        "B51",
+        "the publish gate table shows a kept candidate as promoted to champion",
+        "tasks/artifacts.py",
+        (
+            (
+                '    return "promoted to champion" if gate["promoted"] else "kept as candidate"\n',
+                '    return "promoted to champion"\n',
+            ),
+        ),
+        ("tests/tasks/test_artifacts.py",),
     ),
 )
 

@@ -47,6 +47,7 @@ from mlflow.entities import LoggedModel, LoggedModelInput, Param
 from mlflow.exceptions import MlflowException
 from mlflow.utils import mlflow_tags
 
+from infra.naming import publish_run_name
 from infra.settings import JobConfig
 from infra.tracking import logged_models, mlflow_runs
 from infra.tracking import metrics as names
@@ -236,7 +237,7 @@ def open_publish_run(
         tags[mlflow_tags.MLFLOW_PARENT_RUN_ID] = training_run_id
         tags["ett.training_run_id"] = training_run_id
     run = client.create_run(
-        experiment_id, run_name=f"publish-{config.job_id}-step{ref.step}", tags=tags
+        experiment_id, run_name=publish_run_name(config.job_id, ref.step), tags=tags
     )
     run_id = run.info.run_id
     params = {

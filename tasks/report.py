@@ -40,6 +40,24 @@ def artifact_key(*parts: str) -> str:
     return re.sub(r"-{2,}", "-", key)[:100] or "ett"
 
 
+def run_scope() -> str:
+    """What this flow run's artifact keys are stable under: its deployment's name (a subflow
+    takes its parent's), else its flow's, else ``train`` outside a flow run. A key names the
+    kind of artifact and this scope, never the job, so the Prefect UI's history of one key
+    (Artifacts > ``ett-buckets-train``) lists the successive jobs of a deployment."""
+    from prefect.runtime import deployment, flow_run
+
+    try:
+        return str(deployment.get_name() or flow_run.get_flow_name() or "train")
+    except Exception:  # noqa: BLE001 - outside a flow run
+        return "train"
+
+
+def stable_key(kind: str, scope: str | None = None) -> str:
+    """``<kind>-<scope>``, e.g. ``ett-buckets-train``: see ``run_scope`` (the default)."""
+    return artifact_key(kind, scope or run_scope())
+
+
 @task(name="start-tracking", cache_policy=NO_CACHE)
 def start_tracking(config: JobConfig) -> str | None:
     """The job's MLflow run id (a re-run job gets its run back); None if MLflow is down."""
@@ -90,7 +108,7 @@ def report_job(
     report = summary.report
     create_markdown_artifact(
         markdown=to_markdown(report, summary.mfu),
-        key=artifact_key("ett", config.job_id),
+        key=stable_key("ett"),
         description=f"ETT breakdown of job {config.job_id}: {report.ett_pct:.1f}% effective",
     )
     _drain_pending()

@@ -26,12 +26,13 @@ from prefect.states import Failed, State
 
 from infra import processes, storage
 from infra.control import Phase, Progress
+from infra.naming import attempt_run_name
 from infra.settings import JobConfig
 from tasks.artifacts import show_job
 from tasks.attempt import AttemptProcess, AttemptReport
 from tasks.logs import logger
 from tasks.orchestrator import JobObserver, JobResult, Orchestrator, plan_job
-from tasks.report import artifact_key, log_attempt, report_job, start_tracking
+from tasks.report import log_attempt, report_job, stable_key, start_tracking
 
 
 class AttemptFailed(RuntimeError):
@@ -56,7 +57,7 @@ def plan(
     return plan_job(config, overrides, name, resume, when, salt)
 
 
-@task(name="train-attempt", task_run_name="attempt-{attempt.number}", cache_policy=NO_CACHE)
+@task(name="train-attempt", cache_policy=NO_CACHE)
 def watch_attempt(job: Orchestrator, attempt: AttemptProcess) -> AttemptReport | State:
     """Watch one attempt to its end: Completed on success, Failed (AttemptFailed) otherwise."""
     job.log = logger()  # this task run's logs show the attempt's output
@@ -70,8 +71,9 @@ def watch_attempt(job: Orchestrator, attempt: AttemptProcess) -> AttemptReport |
 
 def watch(job: Orchestrator, attempt: AttemptProcess) -> None:
     """The attempt as the task run ``<job>-attempt-<n>``; its report is the job's."""
+    assert job.config.job_id is not None  # resolved by plan
     named = watch_attempt.with_options(
-        task_run_name=f"{job.config.job_id}-attempt-{attempt.number}"
+        task_run_name=attempt_run_name(job.config.job_id, attempt.number)
     )
     state = named(job, attempt, return_state=True)
     if not state.is_completed():
@@ -107,7 +109,7 @@ class FlowObserver(JobObserver):
         self._tracking = start_tracking.submit(config)  # MLflow's run, beside attempt 0
         self._progress_id = create_progress_artifact(
             progress=0.0,
-            key=artifact_key("train-progress", config.job_id),
+            key=stable_key("train-progress"),
             description=f"Steps done of job {config.job_id} ({config.train.steps} steps)",
         )
         context = contextvars.copy_context()  # progress arrives on the watch thread

@@ -36,6 +36,7 @@ from infra.accounting.records import EttReport
 from infra.accounting.report import format_table, plot_breakdown, recovery_lines, to_markdown
 from infra.accounting.summary import JobSummary
 from infra.exit_codes import Outcome
+from infra.naming import attempt_run_name
 from infra.settings import JobConfig
 from infra.tracking import logged_models
 from infra.tracking import metrics as names
@@ -213,7 +214,7 @@ def log_attempt(run_id: str, attempt: AttemptLike, *, tracking_uri: str | None =
             parent.info.experiment_id,
             start_time=int(attempt.started * 1000),
             tags=tags,
-            run_name=f"{job_id}-attempt{attempt.attempt}",
+            run_name=attempt_run_name(job_id, attempt.attempt),
         ).info.run_id
     at = int(attempt.ended * 1000)
     duration = names.seconds(attempt.ended - attempt.started)

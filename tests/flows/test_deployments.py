@@ -8,6 +8,9 @@ and worker environment disagree, then the ``publish`` run its anchor event trigg
   parameters > the config file > the defaults), in the flow and in the torchrun ranks;
 - flow and task runs named after the job; the ETT table and MLflow link artifacts, and the
   publish run's link to the model version it registered;
+- the train run and its publish run linked both ways (link artifacts, the anchor event's and
+  the model event's related train run), the publish gate as a table, and artifact keys
+  stable per deployment: two jobs, one key, two versions in its history;
 - a log without library dumps or torchrun's own traceback, and lines of the ``publish``
   loggers in the publish run's logs (PREFECT_LOGGING_EXTRA_LOGGERS);
 - publish runs one at a time (ENQUEUE), and its trigger's name and description;
@@ -42,11 +45,13 @@ from prefect.client.schemas.filters import (
     LogFilter,
     LogFilterFlowRunId,
 )
+from prefect.client.schemas.sorting import ArtifactSort
 from prefect.deployments import run_deployment
 
 from infra import storage
 from infra.accounting.ledger_read import read_events
 from infra.settings import JobConfig, dump_config
+from publish.registry import model_id_of
 from tasks.events import ANCHOR_EVENT, RESOURCE_PREFIX
 from tests.factories import ROOT, tiny_config, write_dataset
 from tests.prefect_worker import deployed_worker
@@ -127,10 +132,23 @@ class Job:
     train: Any  # the train flow run
     publish: Any  # the publish flow run its anchor event triggered
     mlflow_uri: str
+    ui_url: str  # the Prefect UI: the API's URL minus /api
+
+
+@dataclass(frozen=True)
+class Second:
+    train: Any  # a second run of the train deployment with the same parameters
+    publish: Any  # its publish run
+    again: Any  # a run naming the first, finished job: refused
 
 
 @pytest.fixture(scope="module")
-def job(worker: Path, mlflow_server: str, tmp_path_factory: pytest.TempPathFactory) -> Job:
+def job(
+    worker: Path,
+    mlflow_server: str,
+    prefect_server: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Job:
     tmp = tmp_path_factory.mktemp("deployments")
     config = tiny_config(  # what the config file says: no job id, so each run is a new job
         tmp,
@@ -146,7 +164,19 @@ def job(worker: Path, mlflow_server: str, tmp_path_factory: pytest.TempPathFacto
     assert train.state.is_completed(), f"{train.state}; worker:\n{worker.read_text()[-8000:]}"
     assert NEW_JOB.fullmatch(train.name), train.name  # a new job: the run's name is its id
     config = config.model_copy(update={"job_id": train.name})
-    return Job(config, train, _triggered_publish(train.name, worker), mlflow_server)
+    publish = _triggered_publish(train.name, worker)
+    return Job(config, train, publish, mlflow_server, prefect_server.removesuffix("/api"))
+
+
+@pytest.fixture(scope="module")
+def second(job: Job, worker: Path) -> Second:
+    """The same parameters again (a new job), and the first job's id again (refused)."""
+    path = Path(job.train.parameters["config"])
+    second_run = _run_train(path)  # the same parameters as the first
+    again_run = _run_train(path, job_id=job.config.job_id)  # the finished first job, by id
+    again, train = _final(again_run.id, worker), _final(second_run.id, worker)
+    assert train.state.is_completed(), f"{train.state}; worker:\n{worker.read_text()[-8000:]}"
+    return Second(train, _triggered_publish(train.name, worker), again)
 
 
 def _run_train(path: Path, **overrides: Any) -> Any:
@@ -161,37 +191,53 @@ def _run_train(path: Path, **overrides: Any) -> Any:
     )
 
 
-def _anchor_events(job_id: str) -> list[Any]:
-    """The anchor events the server received for ``job_id``'s checkpoints."""
+def _events(name: str, resource_id: str) -> list[Any]:
+    """The events ``name`` the server received for the resource (or prefix ``...*``)."""
+    resource = (
+        {"id_prefix": [resource_id[:-1]]} if resource_id.endswith("*") else {"id": [resource_id]}
+    )
     with get_client(sync_client=True) as client:
         response = client.request(
             "POST",
             "/events/filter",
-            json={
-                "filter": {
-                    "event": {"name": [ANCHOR_EVENT]},
-                    "resource": {"id": [f"{RESOURCE_PREFIX}{job_id}"]},
-                },
-                "limit": 50,
-            },
+            json={"filter": {"event": {"name": [name]}, "resource": resource}, "limit": 50},
         )
     return list(response.json()["events"])
 
 
+def _anchor_events(job_id: str) -> list[Any]:
+    """The anchor events the server received for ``job_id``'s checkpoints."""
+    return _events(ANCHOR_EVENT, f"{RESOURCE_PREFIX}{job_id}")
+
+
+def _artifacts(key: str, flow_run_id: Any = None) -> list[Any]:
+    """Every version of artifact ``key`` (of one flow run), newest first."""
+    only = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])) if flow_run_id else None
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
+            flow_run_filter=only,
+            sort=ArtifactSort.CREATED_DESC,
+        )
+
+
+def _artifact(key: str, flow_run_id: Any) -> Any:
+    """The flow run's one artifact ``key``."""
+    found = _artifacts(key, flow_run_id)
+    assert len(found) == 1, (key, flow_run_id, found)
+    return found[0]
+
+
 def test_two_runs_with_the_same_parameters_are_two_jobs_and_a_finished_one_is_refused(
-    job: Job, worker: Path
+    job: Job, second: Second
 ) -> None:
     """Issue 27: a second run of the deployment is a job of its own (its ledger, its MLflow
     run, its anchor event, its publish run); the first job's id, finished, is refused in one
     line and announces nothing again."""
-    path = Path(job.train.parameters["config"])
-    second_run = _run_train(path)  # the same parameters as the first
-    again_run = _run_train(path, job_id=job.config.job_id)  # the finished first job, by id
-    again, second = _final(again_run.id, worker), _final(second_run.id, worker)
-    assert second.state.is_completed(), f"{second.state}; worker:\n{worker.read_text()[-8000:]}"
-    assert NEW_JOB.fullmatch(second.name) and second.name != job.train.name
-    publish = _triggered_publish(second.name, worker)
-    assert publish.state.is_completed(), publish.state
+    again = second.again
+    second_train = second.train
+    assert NEW_JOB.fullmatch(second_train.name) and second_train.name != job.train.name
+    assert second.publish.state.is_completed(), second.publish.state
     # the refusal: before anything started, in one line naming the job and the way out
     assert again.state.is_failed(), again.state
     message = again.state.message or ""
@@ -205,18 +251,24 @@ def test_two_runs_with_the_same_parameters_are_two_jobs_and_a_finished_one_is_re
         job_id: client.search_runs(
             [experiment], f"tags.`ett.job_id` = '{job_id}' AND tags.`ett.kind` = 'job'"
         )
-        for job_id in (job.config.job_id, second.name)
+        for job_id in (job.config.job_id, second_train.name)
     }
     assert [len(found) for found in runs.values()] == [1, 1], runs
     first_run, second_run_ = (found[0].info.run_id for found in runs.values())
     assert first_run != second_run_
-    # one anchor, one event, one publish run: per job, the refused run included
-    for job_id in (job.config.job_id, second.name):
+    # one anchor, one event, one publish run: per job, the refused run included; the event
+    # names the train run, and the trigger passes it on to the publish run
+    for train in (job.train, second_train):
         deadline = time.monotonic() + 30  # the server stores events a moment after it acts
-        while not (events := _anchor_events(job_id)) and time.monotonic() < deadline:
+        while not (events := _anchor_events(train.name)) and time.monotonic() < deadline:
             time.sleep(1)
-        assert len(events) == 1, (job_id, events)
-        assert len(_publish_runs(job_id)) == 1, job_id
+        assert len(events) == 1, (train.name, events)
+        (event,) = events
+        assert event["payload"]["train_flow_run_id"] == str(train.id)
+        related = {r["prefect.resource.id"]: r["prefect.resource.role"] for r in event["related"]}
+        assert related[f"prefect.flow-run.{train.id}"] == "flow-run"
+        (publish,) = _publish_runs(train.name)
+        assert publish.parameters["train_flow_run_id"] == str(train.id)
 
 
 def test_the_environment_wins_over_run_parameters_which_win_over_the_file(job: Job) -> None:
@@ -248,14 +300,9 @@ def test_runs_are_named_after_the_job(job: Job) -> None:
 
 def test_the_train_run_shows_the_ett_table_and_links_mlflow(job: Job) -> None:
     job_id = job.config.job_id
-    with get_client(sync_client=True) as client:
-        table, link = (
-            client.read_artifacts(
-                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))
-            )[0]
-            for key in (f"ett-buckets-{job_id}", f"mlflow-run-{job_id}")
-        )
-    assert table.type == "table" and table.flow_run_id == job.train.id
+    table = _artifact("ett-buckets-train", job.train.id)  # the deployment's key, not the job's
+    link = _artifact("mlflow-run-train", job.train.id)
+    assert table.type == "table" and job_id in table.description
     rows = table.data if isinstance(table.data, list) else json.loads(table.data)
     buckets = {row["bucket"]: row for row in rows}
     assert buckets["effective_training"]["seconds"] > 0 and buckets["recovery"]["seconds"] > 0
@@ -272,11 +319,7 @@ def test_the_train_run_shows_the_ett_table_and_links_mlflow(job: Job) -> None:
 
 def test_the_publish_run_links_the_model_version(job: Job) -> None:
     job_id = job.config.job_id
-    with get_client(sync_client=True) as client:
-        (link,) = client.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"mlflow-model-{job_id}"]))
-        )
-    assert link.flow_run_id == job.publish.id
+    link = _artifact("mlflow-model-publish", job.publish.id)
     from mlflow import MlflowClient
 
     (found,) = MlflowClient(job.mlflow_uri).search_model_versions(
@@ -287,6 +330,80 @@ def test_the_publish_run_links_the_model_version(job: Job) -> None:
         f"[{MODEL} version {version}]({job.mlflow_uri}/#/models/{MODEL}/versions/{version}"
         "?workflowType=machine_learning)"
     )
+
+
+def test_the_train_run_and_its_publish_run_link_to_each_other(job: Job) -> None:
+    """Link artifacts both ways, to the Prefect UI's flow run pages; the publish run made the
+    one in the train run, which had ended. The model event names the train run too."""
+    to_publish = _artifact("publish-run-train", job.train.id)
+    to_train = _artifact("train-run-publish", job.publish.id)
+    page = f"{job.ui_url}/runs/flow-run/"
+    assert to_publish.data == f"[publish run {job.publish.name}]({page}{job.publish.id})"
+    assert to_train.data == f"[train run {job.train.name}]({page}{job.train.id})"
+    assert to_publish.task_run_id is None  # no task of the publish run in the train run's tab
+    events = _events("ett.model.published", f"ett.model.{MODEL}.*")
+    (event,) = [e for e in events if e["payload"]["job_id"] == job.config.job_id]
+    related = {r["prefect.resource.id"]: r["prefect.resource.role"] for r in event["related"]}
+    assert related[f"prefect.flow-run.{job.train.id}"] == "train-flow-run"
+    assert related[f"prefect.flow-run.{job.publish.id}"] == "flow-run"  # Prefect's context
+
+
+def test_the_publish_run_shows_the_gate_as_a_table(job: Job, second: Second) -> None:
+    """The first job's version had no champion to beat; the second job's was compared with
+    it. Each table: AUC and log-loss against the champion, parity, decision and reason."""
+    from mlflow import MlflowClient
+
+    ml = MlflowClient(job.mlflow_uri)
+    for train, publish, champion in (
+        (job.train, job.publish, None),
+        (second.train, second.publish, "1"),
+    ):
+        table = _artifact("gate-publish", publish.id)
+        rows = {
+            row["check"]: row
+            for row in (table.data if isinstance(table.data, list) else json.loads(table.data))
+        }
+        assert list(rows) == ["AUC", "log-loss", "parity (max abs diff)", "decision"]
+        (version,) = ml.search_model_versions(f"name = '{MODEL}' AND tags.job_id = '{train.name}'")
+        model = ml.get_logged_model(model_id_of(version))  # the gate's numbers are on it
+        (auc,) = [m.value for m in model.metrics if re.fullmatch(r"publish\Wholdout_auc", m.key)]
+        assert rows["AUC"]["candidate"] == round(auc, 4)
+        promoted = version.tags.get("promoted") == "true"
+        decision = rows["decision"]
+        assert decision["candidate"] == (
+            "promoted to champion" if promoted else "kept as candidate"
+        )
+        assert decision["result"] and table.description.startswith(
+            f"{MODEL} version {version.version} "
+        )
+        assert rows["parity (max abs diff)"]["result"] == "within tolerance"
+        if champion is None:
+            assert promoted and decision["champion"] == "none"
+            assert rows["AUC"]["result"] == "no champion to compare with"
+        else:
+            assert decision["champion"] == f"v{champion}" and rows["AUC"]["champion"] is not None
+            expected = "at least champion - margin" if promoted else "below champion - margin"
+            assert rows["AUC"]["result"] == expected
+
+
+def test_artifact_keys_are_the_deployments_so_two_jobs_are_one_history(
+    job: Job, second: Second
+) -> None:
+    """Prefect's history of a key lists the successive jobs of the train deployment."""
+    for key, runs in (
+        ("ett-buckets-train", (job.train, second.train)),
+        ("mlflow-run-train", (job.train, second.train)),
+        ("publish-run-train", (job.train, second.train)),
+        ("gate-publish", (job.publish, second.publish)),
+        ("mlflow-model-publish", (job.publish, second.publish)),
+    ):
+        history = [a.flow_run_id for a in _artifacts(key)]
+        mine = [run_id for run_id in history if run_id in {r.id for r in runs}]
+        assert mine == [runs[1].id, runs[0].id], (key, history)  # newest first
+        descriptions = [
+            a.description for a in _artifacts(key) if a.flow_run_id in {r.id for r in runs}
+        ]
+        assert len(set(descriptions)) == 2, descriptions  # each says which job it is about
 
 
 def test_logs_are_quiet_and_the_publish_loggers_reach_the_run(job: Job) -> None:

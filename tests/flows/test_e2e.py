@@ -27,6 +27,7 @@ from prefect.client.schemas.filters import (
     FlowFilter,
     FlowFilterName,
     FlowRunFilter,
+    FlowRunFilterId,
     FlowRunFilterStartTime,
     LogFilter,
     LogFilterTextSearch,
@@ -222,6 +223,15 @@ def test_retrain_is_scheduled_and_warm_starts_from_the_champion(
     job_id = "e2e-retrain-2026-11-29"
     publish = _publish_run_for(job_id, retrain.start_time, worker)
     assert publish.state.is_completed(), publish.state
+    # the train subflow's artifact keys are its parent deployment's, and so is the key of
+    # the link the publish run left in it: the history of a key is the daily retrains'
+    train_run = publish.parameters["train_flow_run_id"]
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[train_run]))
+        )
+        assert client.read_flow_run(train_run).parent_task_run_id is not None  # a subflow
+    assert {"ett-buckets-retrain", "publish-run-retrain"} <= {a.key for a in artifacts}
 
     with get_client(sync_client=True) as client:
         query = LogFilterTextSearch(query="warm-started")

@@ -15,7 +15,13 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterKey,
+    FlowRunFilter,
+    FlowRunFilterId,
+)
+from prefect.client.schemas.sorting import ArtifactSort
 from prefect.events.clients import AssertingEventsClient
 from prefect.events.worker import EventsWorker
 
@@ -59,12 +65,17 @@ def _anchor_events(worker: EventsWorker) -> list:
     return [e for e in client.events if e.event == ANCHOR_EVENT]
 
 
-def _artifact(key: str):
+def _artifact(key: str, flow_run_id: Any = None):
+    """The flow run's artifact ``key`` (keys are stable per flow: every job's run has one),
+    the newest of any run without ``flow_run_id``."""
+    only = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])) if flow_run_id else None
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
+            flow_run_filter=only,
+            sort=ArtifactSort.CREATED_DESC,
         )
-    assert found, f"no artifact {key}"
+    assert found, f"no artifact {key} in flow run {flow_run_id}"
     return found[0]
 
 
@@ -92,11 +103,14 @@ def test_train_flow_recovers_emits_anchor_and_reports(
         "step": 20,
         "job_id": "flow-ok",
         "mlflow_run_id": result["mlflow_run_id"],
+        "train_flow_run_id": result["flow_run_id"],  # the publish run links back to it
     }
+    flow_run_ids = {r.id for r in event.related if r.role == "flow-run"}
+    assert flow_run_ids == {f"prefect.flow-run.{result['flow_run_id']}"}
 
-    progress = _artifact(artifact_key("train-progress", "flow-ok"))
+    progress = _artifact("train-progress-train", result["flow_run_id"])  # the flow's key
     assert progress.type == "progress" and float(progress.data) == 100.0
-    markdown = _artifact(artifact_key("ett", "flow-ok"))
+    markdown = _artifact("ett-train", result["flow_run_id"])
     assert "ETT report" in markdown.data and "Number of Failures | 1" in markdown.data
 
     ml = MlflowClient(config.tracking.mlflow_uri)
@@ -125,7 +139,7 @@ def test_train_flow_fails_clearly_and_still_reports(
     with pytest.raises(train_module.TrainingFailed, match="2 failures exceed max_failures=1"):
         state.result()
     assert _anchor_events(events) == []  # nothing to publish
-    markdown = _artifact(artifact_key("ett", "flow-bad"))
+    markdown = _artifact("ett-train", state.state_details.flow_run_id)
     assert "Number of Failures | 2" in markdown.data
     ml = MlflowClient(config.tracking.mlflow_uri)
     exp = ml.get_experiment_by_name(config.tracking.experiment)
@@ -223,7 +237,8 @@ def test_the_jobs_ledger_is_read_once_at_the_end_of_a_flow_run(
     overrides = {"faults": [{"kind": "crash", "step": 8, "attempt": 0}]}
     result = train_module.train_flow(config=str(path), overrides=overrides)
     assert result["report"]["num_failures"] == 1  # the summary reached the flow's result...
-    assert _artifact(artifact_key("ett-buckets", "read-once")).type == "table"  # ...the UI
+    table = _artifact("ett-buckets-train", result["flow_run_id"])
+    assert table.type == "table"  # ...the UI
     run = MlflowClient(config.tracking.mlflow_uri).get_run(result["mlflow_run_id"])
     assert run.data.metrics[names.NUM_FAILURES] == 1.0  # ...and MLflow
     assert reads == [f"read {config.layout.ledger}"]

@@ -416,7 +416,8 @@ def test_prefect_flow_publishes_once(
     assert first["metrics"]["publish/parity_max_abs_diff"] <= 1e-5
     assert first["gate"]["reason"].startswith(("promoted to champion", "kept as candidate"))
     assert again["already_published"] and again["version"] == first["version"]
-    assert again["gate"] == first["gate"]
+    assert first["gate"]["promoted"] == first["promoted"]
+    assert again["gate"] == first["gate"]  # the earlier decision, read back from the model
     spans = [
         e.name
         for e in read_events(JobLayout.at(f"file://{dst.parents[1]}"))
