@@ -481,6 +481,8 @@ BREAKS = (
             ),
         ),
         ("tests/infra/test_tracking.py",),
+    ),
+    Break(
         "B50",
         "the anchor event leaves its train flow run out (the publish run links back to none)",
         "tasks/events.py",
