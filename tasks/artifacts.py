@@ -15,6 +15,7 @@ Prefect UI has a link type), so the descriptions here say "Link to ...".
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 from urllib.parse import quote
 from uuid import UUID
@@ -25,6 +26,7 @@ from prefect.cache_policies import NO_CACHE
 
 from infra.accounting.summary import JobSummary
 from infra.tracking.run_metadata import redact_url
+from publish.gate import GateDecision
 from tasks.logs import logger
 from tasks.report import artifact_key, stable_key
 
@@ -209,18 +211,7 @@ def link_runs(train_flow_run_id: str | None) -> None:
 
 
 # -- the publish gate as a table -----------------------------------------------------------
-GATE_KEYS = (
-    "candidate_auc",
-    "candidate_logloss",
-    "champion_version",
-    "champion_auc",
-    "champion_logloss",
-    "margin",
-    "parity_max_abs_diff",
-    "parity_tolerance",
-    "promoted",
-    "reason",
-)
+GATE_KEYS = tuple(f.name for f in fields(GateDecision))  # PublishResult.gate's keys
 
 
 def _num(value: Any, digits: int = 4) -> float | None:
