@@ -39,7 +39,7 @@ class AttemptFailed(RuntimeError):
     """Raised by the attempt task so the Prefect UI shows the attempt failed; carries the report."""
 
     def __init__(self, report: AttemptReport) -> None:
-        super().__init__(report.describe())
+        super().__init__(report.reason())
         self.report = report
 
 
@@ -65,7 +65,7 @@ def watch_attempt(job: Orchestrator, attempt: AttemptProcess) -> AttemptReport |
         pump.log = job.log
     report = job.watch(attempt)
     if report.failed:
-        return Failed(message=report.describe(), data=AttemptFailed(report))
+        return Failed(message=report.reason(), data=AttemptFailed(report))
     return report
 
 
