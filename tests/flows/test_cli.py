@@ -338,5 +338,5 @@ def test_demo_on_a_tiny_config(tmp_path: Path, request: pytest.FixtureRequest) -
     )
     assert report.returncode == 0 and "== Wall-time buckets ==" in report.stdout, report.stderr
     [ui] = [x for x in proc.stdout.splitlines() if x.startswith("MLflow UI: ")]
-    mlflow = Path(shlex.split(ui.removeprefix("MLflow UI: "))[0])
+    mlflow = Path(shlex.split(ui.removeprefix("MLflow UI: "), comments=True)[0])
     assert mlflow.resolve() == ETT.with_name("mlflow").resolve() and "--port 5001" in ui

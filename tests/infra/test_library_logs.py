@@ -110,14 +110,14 @@ def test_a_record_logged_with_exc_info_but_no_exception_has_no_stray_traceback()
 
 
 def test_quiet_libraries_installs_one_filter_per_noisy_logger() -> None:
+    loggers = [logging.getLogger(name) for name in {r.logger for r in NOISE}]
+    saved = {log.name: list(log.filters) for log in loggers}  # flows/__init__ installs them
     quiet_library_noise(first_of_job=False)
     quiet_library_noise(first_of_job=True)  # again: replaced, not stacked
     try:
-        for name in {r.logger for r in NOISE}:
-            filters = [f for f in logging.getLogger(name).filters if isinstance(f, LibraryNoise)]
-            assert len(filters) == 1 and filters[0].first_of_job, name
+        for log in loggers:
+            filters = [f for f in log.filters if isinstance(f, LibraryNoise)]
+            assert len(filters) == 1 and filters[0].first_of_job, log.name
     finally:
-        for name in {r.logger for r in NOISE}:
-            for f in list(logging.getLogger(name).filters):
-                if isinstance(f, LibraryNoise):
-                    logging.getLogger(name).removeFilter(f)
+        for log in loggers:
+            log.filters[:] = saved[log.name]
