@@ -506,6 +506,32 @@ BREAKS = (
         ),
         ("tests/tasks/test_artifacts.py",),
     ),
+    Break(
+        "B53",
+        "a rank's line reaches the Prefect run at INFO whatever its level",
+        "tasks/local_node.py",
+        (
+            (
+                '                self.log.log(level, "%s%s", self.prefix, message)\n',
+                '                self.log.info("%s%s", self.prefix, message)\n',
+            ),
+        ),
+        ("tests/infra/test_log_lines.py",),
+    ),
+    Break(
+        "B54",
+        "library noise is shown by every rank and attempt, not once per job",
+        "infra/library_logs.py",
+        (("        if not self.first_of_job or rule in self.seen:\n", "        if False:\n"),),
+        ("tests/infra/test_log_lines.py", "tests/infra/test_library_logs.py"),
+    ),
+    Break(
+        "B55",
+        "a job whose first attempt loaded a warm compile cache is said to have compiled cold",
+        "infra/accounting/cold_start.py",
+        (('    if cold.status != "miss" or', '    if cold.status == "off" or'),),
+        ("tests/infra/test_cold_start.py",),
+    ),
 )
 
 

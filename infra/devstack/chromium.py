@@ -152,6 +152,13 @@ class Chromium:
         url = self.evaluate("location.href")
         raise AssertionError(f"{url} never showed {missing}; it shows:\n{text[:3000]}")
 
+    def links(self) -> dict[str, str]:
+        """The page's links: visible text -> where it goes."""
+        pairs = self.evaluate(
+            "[...document.querySelectorAll('a[href]')].map(a => [a.innerText.trim(), a.href])"
+        )
+        return {text: href for text, href in pairs or [] if text}
+
     def click_text(self, label: str) -> None:
         """Click the innermost element whose whole visible text is ``label`` (a tab, a
         button, a link: the UIs do not all use buttons for them)."""

@@ -50,6 +50,7 @@ from prefect.deployments import run_deployment
 
 from infra import storage
 from infra.accounting.ledger_read import read_events
+from infra.devstack.chromium import Chromium
 from infra.settings import JobConfig, dump_config
 from publish.registry import model_id_of
 from tasks.events import ANCHOR_EVENT, RESOURCE_PREFIX
@@ -480,3 +481,113 @@ def test_demo_on_a_running_stack_lets_the_trigger_publish(
 
     versions = MlflowClient(mlflow_server).search_model_versions(f"name = '{model}'")
     assert [v.tags["job_id"] for v in versions] == [job_id]  # published once, not twice
+
+
+# -- the UIs as a user sees them: headless Chromium (infra/devstack/chromium.py) ---------------
+# ETT_SCREENSHOTS=DIR saves each page checked here as DIR/<name>.png as well.
+SCREENSHOTS = os.environ.get("ETT_SCREENSHOTS")
+TRAINING_VIEW = "?workflowType=machine_learning"
+SECTION = re.compile(r"^([^\n]+)\n\(\d+\)\nAdd chart$", re.MULTILINE)  # a chart section's head
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chromium]:
+    with Chromium(tmp_path_factory.mktemp("chromium")) as chromium:
+        yield chromium
+
+
+def _show(browser: Chromium, url: str | None, *needles: str, name: str) -> str:
+    """Open ``url`` (None: stay on the page); its text once it shows every needle, saved as
+    a screenshot if asked."""
+    if url is not None:
+        browser.open(url)
+    text = browser.wait_for_text(*needles, timeout_s=90)
+    if SCREENSHOTS:
+        time.sleep(2)  # charts animate in
+        browser.screenshot(Path(SCREENSHOTS) / f"{name}.png")
+    return text
+
+
+def _mlflow_job_run(job: Job) -> Any:
+    from mlflow import MlflowClient
+
+    ml = MlflowClient(job.mlflow_uri)
+    experiment = ml.get_experiment_by_name("ett-pipeline").experiment_id
+    (run,) = ml.search_runs(
+        [experiment], f"tags.`ett.job_id` = '{job.config.job_id}' AND tags.`ett.kind` = 'job'"
+    )
+    return run
+
+
+def test_browser_the_mlflow_runs_first_chart_section_is_the_training_curves(
+    job: Job, browser: Chromium
+) -> None:
+    run = _mlflow_job_run(job)
+    url = (
+        f"{job.mlflow_uri}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+        f"/model-metrics{TRAINING_VIEW}"
+    )
+    text = _show(browser, url, "Add chart", "loss", "ett_pct", name="mlflow-run-curves")
+    sections = SECTION.findall(text)
+    assert sections[:2] in (["eval", "train"], ["train", "eval"]), sections
+    assert "wall_time" in sections and not any(s.startswith("ett") for s in sections), sections
+
+
+def test_browser_the_mlflow_run_shows_its_logged_model_and_its_version(
+    job: Job, browser: Chromium
+) -> None:
+    from mlflow import MlflowClient
+
+    run = _mlflow_job_run(job)
+    ml = MlflowClient(job.mlflow_uri)
+    (version,) = ml.search_model_versions(
+        f"name = '{MODEL}' AND tags.job_id = '{run.info.run_name}'"
+    )
+    model = ml.get_logged_model(model_id_of(version))
+    assert model.source_run_id == run.info.run_id  # the training run's model, not publish's
+    assert model.name.startswith(f"ranker-{job.config.job_id}-step")
+    page = f"#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}{TRAINING_VIEW}"
+    url = f"{job.mlflow_uri}/{page}"
+    text = _show(browser, url, "Logged models", model.name, name="mlflow-run-overview")
+    registered = text[text.index("Registered models") :]
+    assert f"{MODEL}" in registered and f"v{version.version}" in registered, registered[:500]
+
+
+def test_browser_the_publish_run_shows_the_gate_table(job: Job, browser: Chromium) -> None:
+    gate = _artifact("gate-publish", job.publish.id)
+    run_page = f"{job.ui_url}/runs/flow-run/{job.publish.id}"
+    browser.open(run_page)
+    browser.wait_for_text(job.publish.name, timeout_s=90)
+    browser.click_text("Artifacts")
+    browser.wait_for_text("gate-publish", "train-run-publish")
+    text = _show(
+        browser,
+        f"{job.ui_url}/artifacts/artifact/{gate.id}",
+        "AUC",
+        "log-loss",
+        "promoted to champion",
+        name="prefect-gate-table",
+    )
+    assert "parity" in text and "candidate" in text and "champion" in text, text[:2000]
+
+
+def test_browser_the_train_run_links_to_its_publish_run(job: Job, browser: Chromium) -> None:
+    link = _artifact("publish-run-train", job.train.id)
+    browser.open(f"{job.ui_url}/runs/flow-run/{job.train.id}")
+    browser.wait_for_text(job.train.name, timeout_s=90)
+    browser.click_text("Artifacts")
+    _show(
+        browser,
+        None,
+        "publish-run-train",
+        name="prefect-train-artifacts",
+    )
+    _show(
+        browser,
+        f"{job.ui_url}/artifacts/artifact/{link.id}",
+        job.publish.name,
+        name="prefect-publish-link",
+    )
+    href = browser.links().get(f"publish run {job.publish.name}")
+    assert href == f"{job.ui_url}/runs/flow-run/{job.publish.id}", browser.links()
+    _show(browser, href, job.publish.name, "Completed", name="prefect-publish-run")

@@ -108,6 +108,14 @@ def test_train_flow_recovers_emits_anchor_and_reports(
     flow_run_ids = {r.id for r in event.related if r.role == "flow-run"}
     assert flow_run_ids == {f"prefect.flow-run.{result['flow_run_id']}"}
 
+    # The failed attempt's task run says why: its Failed state, as sent to the server.
+    failed = [
+        (e.payload["task_run"]["name"], e.payload["validated_state"]["message"])
+        for e in AssertingEventsClient.last.events  # type: ignore[union-attr]
+        if e.event == "prefect.task-run.Failed"
+    ]
+    assert failed == [("flow-ok-attempt-0", "attempt 0 failed: crash at step 7 (CRASH (1))")]
+
     progress = _artifact("train-progress-train", result["flow_run_id"])  # the flow's key
     assert progress.type == "progress" and float(progress.data) == 100.0
     markdown = _artifact("ett-train", result["flow_run_id"])
