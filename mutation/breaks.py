@@ -457,6 +457,32 @@ BREAKS = (
         ("tests/tasks/test_job_identity.py",),
     ),
     Break(
+        "B47",
+        "the ETT headline's section sorts ahead of the training curves in MLflow's metrics tab",
+        "infra/tracking/metrics.py",
+        (('WALL_TIME = "wall_time/"\n', 'WALL_TIME = "ett/"\n'),),
+        ("tests/infra/test_tracking.py",),
+    ),
+    Break(
+        "B48",
+        "the run's eval points of earlier steps are linked to an anchor's LoggedModel too",
+        "infra/tracking/logged_models.py",
+        (("        if m.step == step\n", "        if m.step <= step\n"),),
+        ("tests/infra/test_tracking.py",),
+    ),
+    Break(
+        "B49",
+        "an anchor rewritten at the same URL reuses the old checkpoint's LoggedModel",
+        "infra/tracking/logged_models.py",
+        (
+            (
+                "        found += [m for m in page if m.params.get(KEY_PARAM) == ckpt.key]\n",
+                "        found += list(page)\n",
+            ),
+        ),
+        ("tests/infra/test_tracking.py",),
+    ),
+    Break(
         "B50",
         "the anchor event leaves its train flow run out (the publish run links back to none)",
         "tasks/events.py",

@@ -139,11 +139,7 @@ class FlowObserver(JobObserver):
             update_progress_artifact(artifact_id=self._progress_id, progress=100.0)
         if summary is None:
             return
-        extra = {
-            "ett.num_preemptions": float(outcome.preemptions),
-            "ett.max_failures": float(self.config.recovery.max_failures),
-        }
-        self.report = report_job(self.config, summary, self.run_id, extra, outcome.succeeded)
+        self.report = report_job(self.config, summary, self.run_id, None, outcome.succeeded)
         show_job(summary, self.run_id, self.config.tracking.mlflow_uri)
 
 
