@@ -1,6 +1,6 @@
 """Loaded anchor -> an MLflow pyfunc model logged into the anchor's LoggedModel.
 
-The anchor's LoggedModel is the training run's (``ranker-<job>-step<N>``, made when the job
+The anchor's LoggedModel is the training run's (``ranker-<job>-step-<N>``, made when the job
 was logged: infra/tracking/logged_models.py); a checkpoint nobody logged gets it made here, the
 same way, on the training run (or on the publish run when no training run is known). The
 served model's files go into that LoggedModel, so the training run's page shows the model and,

@@ -2,7 +2,7 @@
 
 MLflow 3's convention for deep learning: the checkpoints a training run produces are
 LoggedModels of that run, each at its step, with the run's evaluation metrics at that step
-linked to it. Here each anchor checkpoint becomes ``ranker-<job_id>-step<N>``:
+linked to it. Here each anchor checkpoint becomes ``ranker-<job_id>-step-<N>``:
 
 - source run: the job's training run, and a model output of it at step N (the run's page
   lists it under "Logged models", its registered versions under "Registered models");
@@ -34,6 +34,7 @@ from mlflow.utils import mlflow_tags
 from infra import storage
 from infra.checkpoint_manifest import MANIFEST, CheckpointError, Manifest, committed_checkpoints
 from infra.job_layout import JobLayout
+from infra.naming import step_label
 from infra.tracking.run_metadata import redact_url, source_tags
 
 MODEL_TYPE = "ranker"
@@ -52,8 +53,9 @@ def anchor_key(uri: str, manifest_sha256: str) -> str:
 
 
 def model_name(job_id: str, step: int) -> str:
-    """``ranker-<job_id>-step<N>`` (MLflow refuses dots in a model name)."""
-    return f"{MODEL_TYPE}-{job_id.replace('.', '_')}-step{step}"
+    """``ranker-<job_id>-step-<N>``, the step spelled as in every run name (MLflow refuses
+    dots in a model name)."""
+    return f"{MODEL_TYPE}-{job_id.replace('.', '_')}-{step_label(step)}"
 
 
 @dataclass(frozen=True)

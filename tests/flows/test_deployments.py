@@ -155,7 +155,8 @@ def job(
         tmp,
         job_id=None,
         storage={"root": f"s3://ett/deployments-{uuid.uuid4().hex[:8]}"},
-        train={"steps": 30, "log_every": 10, "dense_lr": 0.02},
+        # evaluated in the loop at steps 4 and 8: the MLflow run's eval curve (browser tests)
+        train={"steps": 30, "log_every": 10, "dense_lr": 0.02, "eval_every": 4, "eval": "inline"},
         checkpoint={"every_steps": 10},
         tracking={"mlflow_uri": mlflow_server, "registered_model": MODEL},
     )
@@ -527,10 +528,9 @@ def test_browser_the_mlflow_runs_first_chart_section_is_the_training_curves(
         f"{job.mlflow_uri}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
         f"/model-metrics{TRAINING_VIEW}"
     )
-    text = _show(browser, url, "Add chart", "loss", "ett_pct", name="mlflow-run-curves")
-    sections = SECTION.findall(text)
-    assert sections[:2] in (["eval", "train"], ["train", "eval"]), sections
-    assert "wall_time" in sections and not any(s.startswith("ett") for s in sections), sections
+    text = _show(browser, url, "Add chart", "loss", "auc", "wall_time", name="mlflow-run-curves")
+    sections = SECTION.findall(text)  # MLflow adds an empty "Model metrics" at the end
+    assert sections[:3] == ["eval", "train", "wall_time"], sections
 
 
 def test_browser_the_mlflow_run_shows_its_logged_model_and_its_version(
@@ -551,6 +551,18 @@ def test_browser_the_mlflow_run_shows_its_logged_model_and_its_version(
     text = _show(browser, url, "Logged models", model.name, name="mlflow-run-overview")
     registered = text[text.index("Registered models") :]
     assert f"{MODEL}" in registered and f"v{version.version}" in registered, registered[:500]
+    # the version: its decision first, its source the training run
+    page = f"#/models/{MODEL}/versions/{version.version}{TRAINING_VIEW}"
+    text = _show(
+        browser, f"{job.mlflow_uri}/{page}", "promoted to champion", name="mlflow-model-version"
+    )
+    assert run.info.run_name in text, text[:2000]
+    # the model: the eval points of its step and the gate's numbers
+    page = f"#/experiments/{run.info.experiment_id}/models/{model.model_id}{TRAINING_VIEW}"
+    text = _show(
+        browser, f"{job.mlflow_uri}/{page}", model.name, "eval/auc", name="mlflow-logged-model"
+    )
+    assert "publish/holdout_auc" in text, text[:3000]
 
 
 def test_browser_the_publish_run_shows_the_gate_table(job: Job, browser: Chromium) -> None:

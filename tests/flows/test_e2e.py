@@ -159,7 +159,7 @@ def test_train_recovers_and_publishing_runs_from_the_trigger(
         f"tags.`ett.job_id` = '{config.job_id}' and tags.`ett.kind` = 'job'",
     )
     model = ml.get_logged_model(registry.model_id_of(version))
-    assert model.name == f"ranker-{config.job_id}-step30"
+    assert model.name == f"ranker-{config.job_id}-step-30"
     assert model.source_run_id == version.run_id == job_run.info.run_id
     assert [(o.model_id, o.step) for o in job_run.outputs.model_outputs] == [(model.model_id, 30)]
     on_model = {(m.key, m.step): m.value for m in model.metrics}

@@ -238,7 +238,7 @@ def test_job_run_holds_report_curves_attempts_and_artifacts(
     (output,) = run.outputs.model_outputs
     assert output.step == 20
     model = client.get_logged_model(output.model_id)
-    assert model.name == "ranker-job-report-step20" and model.source_run_id == run_id
+    assert model.name == "ranker-job-report-step-20" and model.source_run_id == run_id
     assert model.status == LoggedModelStatus.READY and model.model_type == "ranker"
     assert model.tags["mlflow.model.isExternal"] == "true"  # until publishing logs files
     assert "job `job-report`" in model.tags["mlflow.note.content"]
@@ -314,7 +314,7 @@ def test_job_run_holds_report_curves_attempts_and_artifacts(
     mlflow_runs.log_job_report(run_id, JobSummary.read(config.layout), data_url=config.data.url)
     again = client.get_run(run_id)
     assert [o.model_id for o in again.outputs.model_outputs] == [model.model_id]
-    by_name = "name = 'ranker-job-report-step20'"
+    by_name = "name = 'ranker-job-report-step-20'"
     found = client.search_logged_models([run.info.experiment_id], by_name)
     assert [x.model_id for x in found] == [model.model_id]
     assert len(client.get_logged_model(model.model_id).metrics) == 2

@@ -165,7 +165,7 @@ def test_two_rank_anchor_is_published_from_one_cpu_process(
     assert version.source == f"models:/{model_id}" and published["model_id"] == model_id
     assert version.run_id == job.training_run_id
     model = client.get_logged_model(model_id)
-    assert model.name == f"ranker-{job.config.job_id}-step20"
+    assert model.name == f"ranker-{job.config.job_id}-step-20"
     assert model.source_run_id == job.training_run_id
     training = client.get_run(job.training_run_id)
     assert [(o.model_id, o.step) for o in training.outputs.model_outputs] == [(model_id, 20)]
@@ -356,7 +356,7 @@ def test_worse_model_is_candidate_not_champion(trained_job: TrainedJob, publishe
         f"(champion v{published['version']}), short of the required gain 1"
     )
     model = client.get_logged_model(result.model_id)
-    assert model.name == f"ranker-{job.config.job_id}-step10"
+    assert model.name == f"ranker-{job.config.job_id}-step-10"
     assert model.source_run_id == result.publish_run_id  # no training run to hang it on
     assert version.source == f"models:/{result.model_id}"
 

@@ -252,6 +252,6 @@ def test_job_trained_while_mlflow_was_down_is_logged_by_ett_report_log(
     # The anchor, logged late with the rest: a LoggedModel of the run at its step.
     (output,) = run.outputs.model_outputs
     assert output.step == 20
-    assert client.get_logged_model(output.model_id).name == f"ranker-{config.job_id}-step20"
+    assert client.get_logged_model(output.model_id).name == f"ranker-{config.job_id}-step-20"
     exp = client.get_experiment(run.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
