@@ -16,7 +16,10 @@ and worker environment disagree, then the ``publish`` run its anchor event trigg
 - publish runs one at a time (ENQUEUE), and its trigger's name and description;
 - ``ett demo`` on this stack publishes once, through the trigger;
 - a second run with the same parameters is a new job (issue 27), and a finished job's id is
-  refused in one line.
+  refused in one line;
+- the pages a user opens, read in headless Chromium (infra/devstack/chromium.py): the MLflow
+  run's curves first, its LoggedModel and version, the bucket table; the publish run's gate
+  table, the train run's link to its publish run (ETT_SCREENSHOTS=DIR saves them: docs/img).
 """
 
 from __future__ import annotations
@@ -531,6 +534,12 @@ def test_browser_the_mlflow_runs_first_chart_section_is_the_training_curves(
     text = _show(browser, url, "Add chart", "loss", "auc", "wall_time", name="mlflow-run-curves")
     sections = SECTION.findall(text)  # MLflow adds an empty "Model metrics" at the end
     assert sections[:3] == ["eval", "train", "wall_time"], sections
+    # the whole breakdown: one table among the run's artifacts
+    page = url.replace(
+        f"/model-metrics{TRAINING_VIEW}", f"/artifacts/ett/buckets.json{TRAINING_VIEW}"
+    )
+    text = _show(browser, page, "effective_training", "% of wall time", name="mlflow-ett-buckets")
+    assert "recovery" in text and "total" in text, text[:2000]
 
 
 def test_browser_the_mlflow_run_shows_its_logged_model_and_its_version(
@@ -585,6 +594,14 @@ def test_browser_the_publish_run_shows_the_gate_table(job: Job, browser: Chromiu
 
 def test_browser_the_train_run_links_to_its_publish_run(job: Job, browser: Chromium) -> None:
     link = _artifact("publish-run-train", job.train.id)
+    table = _artifact("ett-buckets-train", job.train.id)
+    text = _show(
+        browser,
+        f"{job.ui_url}/artifacts/artifact/{table.id}",
+        "effective_training",
+        name="prefect-ett-table",
+    )
+    assert "% of wall time" in text and "recovery" in text, text[:2000]
     browser.open(f"{job.ui_url}/runs/flow-run/{job.train.id}")
     browser.wait_for_text(job.train.name, timeout_s=90)
     browser.click_text("Artifacts")
