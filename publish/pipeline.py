@@ -159,7 +159,10 @@ class Publication:
         found = registry.published_version(self.client, name, self.ref.key)
         if found is not None:
             log.info("%s is already published as %s version %s", self.ref.uri, name, found.version)
-            self.result = self._result_from(found, name, already=True)
+            # A version from a search carries no aliases: read it whole, so the result says
+            # "aliases: candidate", not "none".
+            version = self.client.get_model_version(name, found.version)
+            self.result = self._result_from(version, name, already=True)
         return self.result is not None
 
     @property

@@ -271,6 +271,7 @@ def test_publishing_twice_yields_one_version(trained_job: TrainedJob, published:
         job.s3_anchor_url, step=20, mlflow_run_id=job.training_run_id, settings=SETTINGS
     )
     assert again.already_published and again.version == published["version"]
+    assert again.aliases == sorted(published["aliases"])  # as registered, not "none"
     # The decision is not made again: it is read back from the model.
     assert again.gate == published["gate"] and again.model_id == published["model_id"]
     assert again.publish_run_id == published["publish_run_id"]
