@@ -183,8 +183,10 @@ BREAKS = (
         "trainer/consensus.py",
         (
             (
-                "            agreed = Agreed(bool(self._flags[0]), bool(self._flags[1]))\n",
-                "            agreed = Agreed(bool(self._flags[1]), bool(self._flags[0]))\n",
+                "            agreed = Agreed(bool(self._flags[0]), bool(self._flags[1]), "
+                "bool(self._flags[2]))\n",
+                "            agreed = Agreed(bool(self._flags[1]), bool(self._flags[0]), "
+                "bool(self._flags[2]))\n",
             ),
         ),
         RECOVERY_TESTS,

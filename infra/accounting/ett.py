@@ -103,6 +103,7 @@ STARTUP_STAGES = (Span.SCHEDULING, Span.LAUNCHER_INIT, *INIT_SPANS)
 # Spans that are a bucket of their own, wherever they lie.
 SPAN_BUCKETS = {
     Span.CHECKPOINT_BLOCKING: Bucket.CHECKPOINT_BLOCKING,
+    Span.MEMORY_CHECKPOINT: Bucket.CHECKPOINT_BLOCKING,
     Span.EVAL: Bucket.EVAL,
     Span.SHUTDOWN: Bucket.SHUTDOWN,
 }
