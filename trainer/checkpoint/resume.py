@@ -58,7 +58,11 @@ def peek_resume(config: JobConfig, rank: int, world_size: int) -> Resume | None:
     checkpoint's small JSON state only (no tensors, no checksums); None if unsure."""
     try:
         found = candidates(config)
-        memory = memory_tier_of(config, rank, world_size)
+        # One rank's copies say nothing of the others' (the ranks agree on a copy only in
+        # restore), and ranks that guess differently re-fetch their first batch apart,
+        # which the batch balancer's exchange cannot take: with several ranks, the same
+        # guess everywhere, from durable storage.
+        memory = memory_tier_of(config, rank, world_size) if world_size == 1 else None
         peeked = memory.peek() if memory is not None else None
         if peeked is not None and (not found or peeked[0] >= found[0].step):
             step, extra = peeked
