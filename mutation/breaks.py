@@ -560,7 +560,8 @@ BREAKS = (
         "trainer/checkpoint/memory_tier.py",
         (
             (
-                "        slot = Slot.B if newest is not None and newest.slot == Slot.A else Slot.A\n",
+                "        slot = Slot.B if newest is not None and newest.slot == Slot.A "
+                "else Slot.A\n",
                 "        slot = Slot.A\n",
             ),
         ),
