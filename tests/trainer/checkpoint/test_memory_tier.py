@@ -9,6 +9,7 @@ what that step's copy holds.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -61,7 +62,10 @@ while True:
 
 
 class Writer:
-    """The writer above in its own process; ``complete`` is the newest step it reported."""
+    """The writer above in its own process; ``complete`` is the newest step it reported.
+    Every writer is killed by the end of its test (``layout``), whatever the test found."""
+
+    started: list[Writer] = []
 
     def __init__(self, layout: JobLayout, kill_at: int = 0) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -71,6 +75,7 @@ class Writer:
             text=True,
             env=env,
         )
+        Writer.started.append(self)
         self.complete = 0
 
     def wait_for(self, steps: int) -> None:
@@ -109,16 +114,22 @@ def _newest(tier: MemoryTier) -> tuple[int, torch.Tensor]:
 def layout(tmp_path: Path) -> Any:
     layout = JobLayout.for_job(f"file://{tmp_path}/store", "memtier")
     yield layout
+    while Writer.started:
+        writer = Writer.started.pop()
+        writer.proc.kill()
+        writer.proc.wait()
     segments.remove_segments(layout)
 
 
-def _mid_write(tier: MemoryTier) -> None:
+def _mid_write(tier: MemoryTier, timeout_s: float = 60.0) -> None:
     """Until a slot's header is invalid: its copy is being written right now."""
-    while True:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         for path in tier.paths.values():
-            with open(path, "rb") as fh:
+            with contextlib.suppress(FileNotFoundError), open(path, "rb") as fh:
                 if fh.read(len(segments.MAGIC)) != segments.MAGIC:
                     return
+    raise AssertionError("no slot was ever seen being written")
 
 
 def test_a_writer_killed_at_random_moments_never_leaves_a_torn_copy_that_loads(layout) -> None:
