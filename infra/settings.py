@@ -227,7 +227,13 @@ class MemoryTierConfig(_Frozen):
     @classmethod
     def _bool(cls, value: Any) -> Any:
         # ``memory_tier: false`` (or true) is the short spelling of ``enabled``.
-        return {"enabled": value} if isinstance(value, bool) else value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            value = value.lower() == "true"  # from an environment variable
+        if isinstance(value, bool):
+            return {"enabled": value}
+        if not isinstance(value, dict | MemoryTierConfig):
+            raise ValueError("must be true, false or a mapping of its fields")
+        return value
 
     @model_validator(mode="after")
     def _has_an_interval(self) -> MemoryTierConfig:

@@ -307,7 +307,7 @@ def test_with_the_tier_off_nothing_is_written_to_shared_memory(tmp_path, group) 
         ({"every_steps": 0}, "memory_tier.every_steps must be >= 1"),
         ({"every_steps": None}, "memory_tier.every_steps and memory_tier.every_seconds"),
         ({"cost_budget": 0.9}, "cost_budget"),
-        ("sometimes", "memory_tier"),
+        ("sometimes", "memory_tier: Value error, must be true, false or a mapping"),
     ],
 )
 def test_a_bad_memory_tier_config_is_a_clear_error(tmp_path, memory, error) -> None:
