@@ -165,7 +165,7 @@ class Checkpointer:
             began = time.perf_counter()
             self.save(step)
             schedule.saved(step, time.perf_counter() - began)
-        elif schedule.memory_due(step, agreed.memory and not agreed.preempt):
+        elif not agreed.preempt and schedule.memory_due(step, agreed.memory):
             began = time.perf_counter()
             if self.copy(step):
                 schedule.copied(step, time.perf_counter() - began)
