@@ -13,7 +13,7 @@ and in-memory), the copies taken and each tier's last interval.
 
     .venv/bin/python benchmarks/bench_memory_tier.py [--repeats 2] [--steps 1000]
 
-Prints a markdown table and writes benchmarks/results/memory-tier.json.
+Prints a markdown table and writes docs/results/memory-tier.json.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def main() -> int:
     parser.add_argument("--crash-at", type=int, default=400)
     parser.add_argument("--kill-at", type=int, default=700)
     parser.add_argument("--work-dir")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "memory-tier.json"))
+    parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "memory-tier.json"))
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-memtier-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -112,8 +112,16 @@ def main() -> int:
     def med(variant: str, key: str) -> float:
         return statistics.median(r[key] for r in rows if r["variant"] == variant)
 
-    keys = ("redone_s", "redone_steps", "ett_pct", "checkpoint_blocking_s", "job_wall_s")
-    summary = {v: {k: med(v, k) for k in keys} for v in VARIANTS}
+    keys = (
+        "redone_s",
+        "redone_steps",
+        "ett_pct",
+        "checkpoint_blocking_s",
+        "memory_blocking_s",
+        "memory_copies",
+        "job_wall_s",
+    )
+    summary = {v: {k: round(med(v, k), 3) for k in keys} for v in VARIANTS}
     print(
         f"\nMedian of {args.repeats} ({args.nproc} rank(s), demo model, {args.steps} steps, "
         f"crash at {args.crash_at}, SIGKILL at {args.kill_at})\n"
