@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.save import run_record, save_json  # noqa: E402
+from benchmarks.save import save_run  # noqa: E402
 from infra.accounting.ett import report_for_job  # noqa: E402
 from infra.settings import JobConfig, load_config  # noqa: E402
 from tasks.orchestrator import run  # noqa: E402
@@ -129,14 +129,7 @@ def main() -> int:
     print("| | " + " | ".join(VARIANTS) + " |\n|---|" + "---:|" * len(VARIANTS))
     for key in keys:
         print(f"| {key} | " + " | ".join(str(summary[v][key]) for v in VARIANTS) + " |")
-    result = {
-        "benchmark": "memory-tier",
-        "args": vars(args),
-        "summary": summary,
-        "rows": rows,
-        **run_record(started),
-    }
-    save_json(result, args.out)
+    save_run("memory-tier", args, summary, rows, started, args.out)
     return 0
 
 
