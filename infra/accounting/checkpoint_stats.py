@@ -32,7 +32,7 @@ class CheckpointStats:
     commit_latency_s: float | None
     interval_reason: str | None  # why the checkpointer chose its interval
     memory_copies: int = 0  # in-memory copies written
-    memory_blocking_s: float = 0.0  # the loop's blocking for them (``memory_checkpoint``)
+    memory_blocking_s: float = 0.0  # the loop's blocking for them (``memory_copy_blocking``)
     memory_interval_s: float | None = None  # the in-memory tier's last interval chosen
 
 
@@ -79,6 +79,6 @@ def checkpoint_stats(job: list[Event], loop_s: float, interval_s: float | None) 
         commit_latency_s=median_or_none(latency),
         interval_reason=str(reasons[-1].attrs.get("reason")) if reasons else None,
         memory_copies=sum(1 for e in job if e.name == Mark.MEMORY_COPY and "seq" in e.attrs),
-        memory_blocking_s=math.fsum(e.duration for e in job if e.name == Span.MEMORY_CHECKPOINT),
+        memory_blocking_s=math.fsum(e.duration for e in job if e.name == Span.MEMORY_COPY_BLOCKING),
         memory_interval_s=None if memory_interval is None else float(memory_interval),
     )

@@ -57,7 +57,7 @@ class Span(StrEnum):
     # the training loop
     TRAIN_STEP = "train_step"
     CHECKPOINT_BLOCKING = "checkpoint_blocking"
-    MEMORY_CHECKPOINT = "memory_checkpoint"  # the loop waiting for an in-memory copy
+    MEMORY_COPY_BLOCKING = "memory_copy_blocking"  # the loop waiting for an in-memory copy
     EVAL = "eval"
     # the side evaluator (trainer/checkpoint_evaluator.py), beside the job
     ASYNC_EVAL = "async_eval"
@@ -121,7 +121,7 @@ INIT_SPANS = (
     Span.PRE_TRAIN,
     Span.GET_FIRST_BATCH_DATA,
 )
-LOOP_SPANS = (Span.TRAIN_STEP, Span.CHECKPOINT_BLOCKING, Span.MEMORY_CHECKPOINT, Span.EVAL)
+LOOP_SPANS = (Span.TRAIN_STEP, Span.CHECKPOINT_BLOCKING, Span.MEMORY_COPY_BLOCKING, Span.EVAL)
 PUBLISH_SPANS = tuple(span for span in Span if span.startswith("publish_"))  # publish/ writes
 SPAN_NAMES = frozenset(Span)
 MARK_NAMES = frozenset(Mark)

@@ -616,7 +616,7 @@ def test_redone_steps_are_split_by_the_tier_their_restore_came_from(tmp_path) ->
         tr.record_span("device_init", T0, T0 + 1)
         _steps(tr, 1, 1, 4)
         for step in (2, 3):
-            tr.record_span("memory_checkpoint", T0 + step, T0 + step + 0.1, step=step)
+            tr.record_span("memory_copy_blocking", T0 + step, T0 + step + 0.1, step=step)
             tr.mark("memory_copy", step=step, t=T0 + step + 0.2, seq=step, bytes=10)
         tr.mark("checkpoint_interval", t=T0 + 1, tier="memory", reason="fixed", interval_s=0.5)
         tr.mark("in_process_restart", step=5, t=T0 + 5.5, error="RuntimeError: boom")

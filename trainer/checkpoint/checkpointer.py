@@ -20,7 +20,7 @@ accounted as checkpoint time.
 
 The in-memory tier (memory_tier.py) rides on the same staging: an in-memory copy is a
 staging copy written to this host's shared memory instead of to storage (``copy``, its own
-``memory_checkpoint`` span), and a durable save in ``async_staged`` mode writes one too,
+``memory_copy_blocking`` span), and a durable save in ``async_staged`` mode writes one too,
 from its staging copy, before its upload. Restore prefers it when it is newer (resume.py).
 
 How a written checkpoint becomes committed is commit.py's; the save on SIGTERM, held to
@@ -282,7 +282,7 @@ class Checkpointer:
             if inflight.staging is not None or inflight.thread.is_alive():
                 return False
             self.wait_for_inflight()
-        with self.ledger.span(Span.MEMORY_CHECKPOINT, step=step):
+        with self.ledger.span(Span.MEMORY_COPY_BLOCKING, step=step):
             state, extra = states.read()
             staging = self._get_stager().begin(state)
             thread = threading.Thread(
@@ -369,7 +369,7 @@ class Checkpointer:
         if inflight is None or inflight.staging is None:
             return None
         memory = inflight.tier == CheckpointTier.MEMORY
-        span = Span.MEMORY_CHECKPOINT if memory else Span.CHECKPOINT_BLOCKING
+        span = Span.MEMORY_COPY_BLOCKING if memory else Span.CHECKPOINT_BLOCKING
         with self.ledger.span(span, step=inflight.step, phase="staging"):
             self._release_staged(inflight)
         return inflight.tier

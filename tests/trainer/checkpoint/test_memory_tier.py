@@ -262,7 +262,7 @@ def test_an_in_process_restore_takes_the_newest_in_memory_copy(tmp_path, group) 
     events = read_events(config.layout)
     copies = [e.step for e in events if e.name == Mark.MEMORY_COPY]
     assert copies == [2, 4, 5, 6, 8]
-    assert {e.step for e in events if e.name == Span.MEMORY_CHECKPOINT} == {2, 4, 6, 8}
+    assert {e.step for e in events if e.name == Span.MEMORY_COPY_BLOCKING} == {2, 4, 6, 8}
     [mark] = [e for e in events if e.name == Mark.RESUME]
     assert (mark.step, mark.attrs["tier"], mark.attrs["how"]) == (8, "memory", "in_process")
     assert segments.job_segments(config.layout) == []
