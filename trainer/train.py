@@ -237,7 +237,11 @@ def train(
     step = finished = parts.start_step  # finished: the last step that ran to its end
     try:
         while step < total:
-            agreed = consensus.exchange(preemption.requested, checkpointer.due_by_clock(step))
+            agreed = consensus.exchange(
+                preemption.requested,
+                checkpointer.due_by_clock(step),
+                checkpointer.copy_due_by_clock(step),
+            )
             checkpointer.maybe_save(step, agreed)
             if agreed.preempt:  # every rank stops here and saves, within the budget
                 saved = checkpointer.emergency_save(step)
@@ -276,6 +280,8 @@ def train(
         return _shutdown(config, parts, ledger, stats, step)
     finally:
         checkpointer.close()
+        if control is None:  # no orchestrator: nobody relaunches this job, nor cleans up
+            checkpointer.drop_memory_tier()
         report(Phase.DONE, finished, total, restarter.restarts)  # never the step that failed
 
 
@@ -314,6 +320,7 @@ def _shutdown(
         )
         return ExitCode.ANCHOR_NOT_SAVED
     ledger.mark(Mark.JOB_END, step=step)
+    checkpointer.drop_memory_tier()  # the anchor is committed: no restore needs the copies
     return ExitCode.SUCCESS
 
 
