@@ -249,6 +249,29 @@ class MemoryTierConfig(_Frozen):
         return self
 
 
+class IncrementalConfig(_Frozen):
+    """Incremental durable checkpoints (trainer/checkpoint/delta.py): a commit writes only
+    the embedding rows touched since the previous one (with their optimizer state) and the
+    whole dense state; a full snapshot every ``full_every`` commits, or when any table's
+    touched share exceeds ``max_delta_share``. Off until measured (docs/checkpoints.md)."""
+
+    enabled: bool = False
+    full_every: int = Field(default=8, ge=1, le=10_000)  # 1: every commit is full
+    max_delta_share: float = Field(default=0.5, gt=0, le=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bool(cls, value: Any) -> Any:
+        # ``incremental: true`` (or false) is the short spelling of ``enabled``.
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            value = value.lower() == "true"  # from an environment variable
+        if isinstance(value, bool):
+            return {"enabled": value}
+        if not isinstance(value, dict | IncrementalConfig):
+            raise ValueError("must be true, false or a mapping of its fields")
+        return value
+
+
 class CheckpointConfig(_Frozen):
     """When and how checkpoints are taken (trainer/checkpoint/)."""
 
@@ -269,6 +292,8 @@ class CheckpointConfig(_Frozen):
     cost_budget: float = Field(default=0.01, gt=0, le=0.5)
     # Each rank's newest state in host shared memory (/dev/shm), docs/checkpoints.md.
     memory_tier: MemoryTierConfig = Field(default=MemoryTierConfig(), strict=False)
+    # Commits that write only the touched embedding rows (docs/checkpoints.md).
+    incremental: IncrementalConfig = Field(default=IncrementalConfig(), strict=False)
 
     @field_validator("mode", mode="before")
     @classmethod
