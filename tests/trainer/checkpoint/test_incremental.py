@@ -1,0 +1,185 @@
+"""Incremental durable checkpoints (trainer/checkpoint/delta.py, compose.py): the rows a step
+touches, the config, the chain a job writes, a delta composed over its full base equal to a
+full checkpoint of the same step, exact resume from a delta, and a corrupt link that falls
+back to the last good one.
+
+The jobs are the tiny model under torchrun: ``reference`` with full checkpoints only, the
+others with ``checkpoint.incremental``; each is killed mid-upload of its anchor (step 25),
+so its newest commit is the delta at step 20, and relaunched without the fault.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from infra import storage
+from infra.checkpoint_manifest import QUARANTINE, CommitKind, committed_checkpoints
+from infra.config_sources import ConfigError
+from infra.job_layout import JobLayout, step_dir_name
+from infra.settings import JobConfig, load_config
+from tests.factories import (
+    assert_bit_identical,
+    checkpoint_tensors,
+    resume_marks,
+    run_trainer,
+    tiny_config,
+)
+from trainer.checkpoint.compose import chain_for, load_chain
+from trainer.checkpoint.delta import TouchedRows, rows_file
+from trainer.checkpoint.restore import fetch
+
+SECTIONS: dict[str, Any] = {
+    "train": {"steps": 25, "eval": "off", "eval_rows": 256, "log_every": 5},
+    "checkpoint": {"mode": "async_staged", "every_steps": 5, "keep_latest_k": 10},
+}
+INCREMENTAL = {"enabled": True, "full_every": 8, "max_delta_share": 1.0}
+KILL_AT_ANCHOR = [{"kind": "sigkill_mid_upload", "step": 25}]
+
+
+def test_touched_rows_are_the_ids_of_each_table_since_the_last_take() -> None:
+    touched = TouchedRows({"a": ("t_a", 6), "b": ("t_b", 4), "c": ("t_a", 6)})
+    kjt = KeyedJaggedTensor(
+        keys=["a", "b", "c", "unknown"],
+        values=torch.tensor([1, 3, 2, 5, 0, 9]),
+        lengths=torch.tensor([1, 1, 1, 0, 1, 0, 1, 1]),  # two examples per key
+    )  # a: 1, 3; b: 2; c: 5 (the same table as a); unknown: 0, 9 (no table)
+    touched.track([kjt])
+    got = touched.take()
+    assert got["t_a"].nonzero().flatten().tolist() == [1, 3, 5]
+    assert got["t_b"].nonzero().flatten().tolist() == [2]
+    assert not any(b.any() for b in touched.take().values())  # taken: start anew
+
+
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [
+        ({"full_every": 0}, "checkpoint.incremental.full_every"),
+        ({"max_delta_share": 0}, "checkpoint.incremental.max_delta_share"),
+        ({"max_delta_share": 1.5}, "checkpoint.incremental.max_delta_share"),
+        ("sometimes", "must be true, false or a mapping"),
+    ],
+)
+def test_a_bad_incremental_setting_is_one_line_naming_it(value: Any, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(checkpoint={"incremental": value})
+    assert needle in str(err.value)
+    assert len(str(err.value).strip().splitlines()) <= 2  # the source, then the one problem
+
+
+def test_incremental_is_off_by_default_and_true_is_its_short_spelling() -> None:
+    assert not load_config().checkpoint.incremental.enabled
+    assert load_config(checkpoint={"incremental": "true"}).checkpoint.incremental.enabled
+
+
+def _job(tmp_path: Path, job_id: str, data_url: str, incremental: bool, **extra: Any) -> JobConfig:
+    sections = {**SECTIONS, "checkpoint": dict(SECTIONS["checkpoint"])}
+    if incremental:
+        sections["checkpoint"]["incremental"] = INCREMENTAL
+    return tiny_config(tmp_path, job_id=job_id, data={"url": data_url}, **sections, **extra)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, data_url: str) -> JobConfig:
+    """The job with full checkpoints only, uninterrupted."""
+    tmp = tmp_path_factory.mktemp("reference")
+    config = _job(tmp, "reference", data_url, incremental=False)
+    done = run_trainer(config, tmp)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return config
+
+
+def _killed_at_anchor(tmp_path: Path, job_id: str, data_url: str) -> JobConfig:
+    """An incremental job whose first attempt is killed while uploading its anchor."""
+    config = _job(tmp_path, job_id, data_url, incremental=True, faults=KILL_AT_ANCHOR)
+    killed = run_trainer(config, tmp_path)
+    assert killed.returncode != 0
+    return config
+
+
+def _relaunch(config: JobConfig, tmp_path: Path) -> Any:
+    done = run_trainer(config.model_copy(update={"faults": ()}), tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def composed_tensors(url: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a committed checkpoint in one process, a delta composed over its
+    chain (as publishing reads one)."""
+    [ckpt] = [c for c in committed_checkpoints(_layout(url)) if c.url == url]
+
+    def load_full(link: Any, into: dict[str, Any]) -> dict[str, Any]:
+        into.update(checkpoint_tensors(link.url))
+        return {}
+
+    state: dict[str, Any] = {}
+    load_chain(ckpt, state, 0, None, load_full, fetch, no_dist=True)
+    return state
+
+
+def _layout(url: str) -> JobLayout:
+    layout = JobLayout.of_checkpoint(url)
+    assert layout is not None
+    return layout
+
+
+def _kinds(config: JobConfig) -> dict[int, str]:
+    return {c.step: c.manifest.kind for c in committed_checkpoints(config.layout)}
+
+
+@pytest.mark.slow
+def test_full_and_three_deltas_equal_a_full_checkpoint_and_resume_exactly(
+    tmp_path: Path, data_url: str, reference: JobConfig
+) -> None:
+    config = _killed_at_anchor(tmp_path, "incremental", data_url)
+    assert _kinds(config) == {
+        5: CommitKind.FULL,
+        10: CommitKind.DELTA,
+        15: CommitKind.DELTA,
+        20: CommitKind.DELTA,
+    }
+    ckpts = {c.step: c for c in committed_checkpoints(config.layout)}
+    assert [c.step for c in chain_for(ckpts[20])] == [5, 10, 15, 20]
+    assert ckpts[20].manifest.base_step == 5 and ckpts[20].manifest.previous_step == 15
+    assert rows_file(0) in ckpts[20].manifest.files
+    assert ckpts[20].manifest.bytes < ckpts[5].manifest.bytes
+
+    full = checkpoint_tensors(committed_checkpoints(reference.layout)[1].url)  # step 20
+    composed = composed_tensors(ckpts[20].url)
+    assert composed.keys() == full.keys()
+    assert any(".embedding_bags." in k for k in full) and any(k.startswith("optim.") for k in full)
+    differing = [k for k in full if not torch.equal(full[k], composed[k])]
+    assert differing == []
+
+    _relaunch(config, tmp_path)
+    assert resume_marks(config)[-1][1] == 20
+    assert_bit_identical(reference, config, 25)
+    assert _kinds(config)[25] == CommitKind.FULL  # an anchor stands alone
+
+
+@pytest.mark.slow
+def test_a_corrupt_link_falls_back_to_the_last_good_link_in_one_line(
+    tmp_path: Path, data_url: str, reference: JobConfig
+) -> None:
+    config = _killed_at_anchor(tmp_path, "corrupt-link", data_url)
+    link = storage.join(config.layout.checkpoint(15), rows_file(0))
+    data = bytearray(storage.read_bytes(link))
+    data[len(data) // 2] ^= 0xFF
+    storage.write_bytes(link, bytes(data))
+
+    done = _relaunch(config, tmp_path)
+    assert resume_marks(config)[-1][1] == 10  # the last good link before the corrupt one
+    output = (done.stdout + done.stderr).splitlines()
+    lines = [line for line in output if "falling back" in line]
+    assert len(lines) == 1 and "last good link before step 15" in lines[0]
+    assert step_dir_name(15) in lines[0]
+    moved = storage.listdir(storage.join(config.layout.checkpoints, QUARANTINE))
+    assert sorted(name.rsplit("-", 2)[0] for name in moved) == [
+        step_dir_name(15),
+        step_dir_name(20),
+    ]
+    assert_bit_identical(reference, config, 25)
