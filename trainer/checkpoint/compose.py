@@ -24,12 +24,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from infra.checkpoint_chain import ChainBroken, chain_of
 from infra.checkpoint_manifest import (
     CheckpointCorrupt,
     CheckpointError,
+    CommitKind,
     CommittedCheckpoint,
     committed_checkpoints,
     rank_state_name,
@@ -37,11 +39,12 @@ from infra.checkpoint_manifest import (
 from infra.control import scratch_dir
 from infra.job_layout import JobLayout
 from trainer.checkpoint.delta import ROWS_KEY, apply_rows, rows_file, without
+from trainer.checkpoint.restore import fetch
+from trainer.unsharded import load_model_weights
 
 log = logging.getLogger(__name__)
 
 LoadFull = Callable[[CommittedCheckpoint, dict[str, Any]], dict[str, Any]]
-Fetch = Callable[[CommittedCheckpoint, str], str]
 
 
 def chain_for(ckpt: CommittedCheckpoint) -> list[CommittedCheckpoint]:
@@ -67,7 +70,6 @@ def load_chain(
     rank: int,
     process_group: dist.ProcessGroup | None,
     load_full: LoadFull,
-    fetch: Fetch,
     no_dist: bool = False,
 ) -> dict[str, Any]:
     """Fill ``state`` in place with the delta ``ckpt`` composed over its chain, and return
@@ -103,3 +105,23 @@ def load_chain(
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     raise CheckpointError(f"checkpoint {ckpt.url} has no links to compose")
+
+
+def load_model(ckpt: CommittedCheckpoint, model: nn.Module, workdir: str) -> str:
+    """Fill one unsharded model in place from a committed checkpoint, whatever world size
+    wrote it, a delta composed over its chain (publishing, the side evaluator). Every file
+    is verified before it is read. Returns the checkpoint's verified local folder (object
+    storage: downloaded into ``workdir``)."""
+    local = fetch(ckpt, workdir)
+    if ckpt.manifest.kind != CommitKind.DELTA:
+        load_model_weights(local, model)
+        return local
+    state = {"model": model.state_dict()}
+
+    def load_full(link: CommittedCheckpoint, into: dict[str, Any]) -> dict[str, Any]:
+        dcp.load(into, checkpoint_id=fetch(link, workdir), no_dist=True)
+        return {}
+
+    load_chain(ckpt, state, 0, None, load_full, no_dist=True)
+    model.load_state_dict(state["model"])
+    return local

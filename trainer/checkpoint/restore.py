@@ -119,7 +119,7 @@ def load_into(
         def load_full(link: CommittedCheckpoint, into: dict[str, Any]) -> dict[str, Any]:
             return load_into(link, into, rank, process_group, no_dist)
 
-        return load_chain(ckpt, state, rank, process_group, load_full, fetch, no_dist)
+        return load_chain(ckpt, state, rank, process_group, load_full, no_dist)
     tmp = tempfile.mkdtemp(prefix="ett-restore-", dir=scratch_dir())
     try:
         local = fetch(ckpt, tmp)

@@ -22,6 +22,7 @@ from infra.checkpoint_manifest import QUARANTINE, CommitKind, committed_checkpoi
 from infra.config_sources import ConfigError
 from infra.job_layout import JobLayout, step_dir_name
 from infra.settings import JobConfig, load_config
+from publish import load as publish_load
 from tests.factories import (
     assert_bit_identical,
     checkpoint_tensors,
@@ -31,7 +32,6 @@ from tests.factories import (
 )
 from trainer.checkpoint.compose import chain_for, load_chain
 from trainer.checkpoint.delta import TouchedRows, rows_file
-from trainer.checkpoint.restore import fetch
 
 SECTIONS: dict[str, Any] = {
     "train": {"steps": 25, "eval": "off", "eval_rows": 256, "log_every": 5},
@@ -117,7 +117,7 @@ def composed_tensors(url: str) -> dict[str, torch.Tensor]:
         return {}
 
     state: dict[str, Any] = {}
-    load_chain(ckpt, state, 0, None, load_full, fetch, no_dist=True)
+    load_chain(ckpt, state, 0, None, load_full, no_dist=True)
     return state
 
 
@@ -154,6 +154,16 @@ def test_full_and_three_deltas_equal_a_full_checkpoint_and_resume_exactly(
     assert any(".embedding_bags." in k for k in full) and any(k.startswith("optim.") for k in full)
     differing = [k for k in full if not torch.equal(full[k], composed[k])]
     assert differing == []
+
+    # Publishing (and the side evaluator) read the composed state into one CPU model.
+    models = [
+        publish_load.load(publish_load.resolve(url), job, str(tmp_path / name)).model.state_dict()
+        for url, job, name in [
+            (committed_checkpoints(reference.layout)[1].url, reference, "full"),
+            (ckpts[20].url, config, "delta"),
+        ]
+    ]
+    assert [k for k in models[0] if not torch.equal(models[0][k], models[1][k])] == []
 
     _relaunch(config, tmp_path)
     assert resume_marks(config)[-1][1] == 20
