@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from infra import storage
@@ -31,7 +33,16 @@ from tests.factories import (
     tiny_config,
 )
 from trainer.checkpoint.compose import chain_for, load_chain
-from trainer.checkpoint.delta import TouchedRows, rows_file
+from trainer.checkpoint.delta import (
+    ROWS_KEY,
+    Incremental,
+    Link,
+    TouchedRows,
+    apply_rows,
+    leaf_at,
+    leaves,
+    rows_file,
+)
 
 SECTIONS: dict[str, Any] = {
     "train": {"steps": 25, "eval": "off", "eval_rows": 256, "log_every": 5},
@@ -193,3 +204,90 @@ def test_a_corrupt_link_falls_back_to_the_last_good_link_in_one_line(
         step_dir_name(20),
     ]
     assert_bit_identical(reference, config, 25)
+
+
+def _table(rows: int, fill: float) -> ShardedTensor:
+    """A one-rank table-wise shard, as DistributedModelParallel's state dict holds a table."""
+    meta = ShardMetadata([0, 0], [rows, 2], "rank:0/cpu")
+    local = torch.arange(rows * 2, dtype=torch.float32).reshape(rows, 2) + fill
+    return ShardedTensor._init_from_local_shards([Shard(local, meta)], rows, 2)
+
+
+def _live_state() -> dict[str, Any]:
+    return {
+        "model": {"emb.t_a.weight": _table(6, 0.0), "dense.w": torch.zeros(3)},
+        "optim": {"state": {"emb.t_a.weight": {"t_a.momentum1": _table(6, 100.0)}}},
+    }
+
+
+def _plan_kinds(incremental: Incremental, plans: list[tuple[int, bool, bool]]) -> list[str]:
+    state = _live_state()
+    kinds = []
+    for step, ok, anchor in plans:
+        kinds.append(incremental.plan(step, state, ok, anchor).link.kind)
+    return kinds
+
+
+def test_a_commit_is_full_first_every_k_past_the_share_for_the_anchor_and_after_a_failure(
+    group,
+) -> None:
+    config = load_config(checkpoint={"incremental": {"full_every": 3, "max_delta_share": 0.5}})
+    inc = Incremental(config.checkpoint.incremental, {"a": ("t_a", 6)}, 1, group)
+    ids = KeyedJaggedTensor(keys=["a"], values=torch.tensor([1]), lengths=torch.tensor([1]))
+    full, delta = CommitKind.FULL, CommitKind.DELTA
+    inc.track(ids)
+    assert _plan_kinds(inc, [(1, True, False), (2, True, False), (3, True, False)]) == [
+        full,
+        delta,
+        delta,
+    ]
+    assert _plan_kinds(inc, [(4, True, False)]) == [full]  # the 3rd commit since the full one
+    assert _plan_kinds(inc, [(5, False, False)]) == [full]  # the save before it failed
+    assert _plan_kinds(inc, [(6, True, True)]) == [full]  # an anchor stands alone
+    inc.track(
+        KeyedJaggedTensor(keys=["a"], values=torch.tensor([0, 1, 2, 3]), lengths=torch.tensor([4]))
+    )
+    assert _plan_kinds(inc, [(7, True, False)]) == [full]  # 4 of 6 rows > half the table
+    inc.reset()  # restored: what was touched since is unknown
+    assert _plan_kinds(inc, [(8, True, False)]) == [full]
+
+
+def test_a_delta_holds_the_touched_rows_of_weights_and_optimizer_state_and_composes_back(
+    group,
+) -> None:
+    config = load_config(checkpoint={"incremental": INCREMENTAL})
+    inc = Incremental(config.checkpoint.incremental, {"a": ("t_a", 6)}, 1, group)
+    live = _live_state()
+    base = inc.plan(1, live, True, False)
+    assert base.link.kind == CommitKind.FULL and base.rows is None
+    snapshot = {
+        path: leaf.local_shards()[0].tensor.clone()
+        if isinstance(leaf, ShardedTensor)
+        else leaf.clone()
+        for path, leaf in leaves(live)
+    }
+    inc.track(KeyedJaggedTensor(keys=["a"], values=torch.tensor([4, 1]), lengths=torch.tensor([2])))
+    for _, leaf in leaves(live):  # the fused optimizer changes the looked-up rows only
+        target = leaf.local_shards()[0].tensor if isinstance(leaf, ShardedTensor) else leaf
+        if isinstance(leaf, ShardedTensor):
+            target[[1, 4]] += 0.5
+        else:
+            target += 1
+    plan = inc.plan(2, live, True, False)
+    assert plan.link == Link(CommitKind.DELTA, base_step=1, previous_step=1)
+    assert "model.emb.t_a.weight" not in dict(leaves(plan.dense))
+    assert "model.dense.w" in dict(leaves(plan.dense))
+    assert plan.rows is not None
+    assert sorted(plan.rows[ROWS_KEY]) == [
+        "model.emb.t_a.weight",
+        "optim.state.emb.t_a.weight.t_a.momentum1",
+    ]
+    restored = _live_state()  # the base's state, as the full checkpoint restores it
+    for path, leaf in leaves(restored):
+        target = leaf.local_shards()[0].tensor if isinstance(leaf, ShardedTensor) else leaf
+        target.copy_(snapshot[path])
+    apply_rows(restored, plan.rows)
+    for path, leaf in leaves(restored):
+        if isinstance(leaf, ShardedTensor):
+            want = leaf_at(live, path).local_shards()[0].tensor
+            assert torch.equal(leaf.local_shards()[0].tensor, want), path
