@@ -88,7 +88,7 @@ def load_chain(
                 raise ChainBroken(f"{exc} (a link of {ckpt.url})", link.step) from exc
             payloads = read_rows(local, rank, every_rank=no_dist)
             for payload in payloads:
-                apply_rows(state, payload, skip_missing=no_dist)
+                apply_rows(state, payload)
             if link is not chain[-1]:
                 continue
             try:

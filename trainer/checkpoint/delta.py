@@ -188,20 +188,18 @@ def gather_rows(state: Mapping[str, Any], touched: Mapping[str, torch.Tensor]) -
     return out
 
 
-def apply_rows(
-    state: Mapping[str, Any], payload: Mapping[str, Any], skip_missing: bool = False
-) -> None:
+def apply_rows(state: Mapping[str, Any], payload: Mapping[str, Any]) -> None:
     """Write a delta's rows into the state's table leaves, in place: a ShardedTensor's
     local shards, or (one process reading every rank's rows: publishing) a plain tensor at
-    each shard's offsets. ``skip_missing``: leaves the state does not hold (the optimizer's,
-    for a model alone) are passed over."""
+    each shard's offsets. Leaves of a part the state does not hold (the optimizer's, when
+    only the model is loaded) are passed over."""
     for path, shards in payload[ROWS_KEY].items():
         try:
             leaf = leaf_at(state, path)
         except KeyError:
-            if skip_missing:
-                continue
-            raise
+            if any(path.startswith(key + ".") for key in state):
+                raise  # the part is loaded and lacks a table: not this model's state
+            continue
         if isinstance(leaf, ShardedTensor):
             local = {shard_key(shard): shard.tensor for shard in leaf.local_shards()}
             for key, part in shards.items():

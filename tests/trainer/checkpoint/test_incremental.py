@@ -10,6 +10,7 @@ so its newest commit is the delta at step 20, and relaunched without the fault.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +40,12 @@ from trainer.checkpoint.delta import (
     Link,
     TouchedRows,
     apply_rows,
+    embedding_tables,
     leaf_at,
     leaves,
     rows_file,
 )
+from trainer.model import RankingModel
 
 SECTIONS: dict[str, Any] = {
     "train": {"steps": 25, "eval": "off", "eval_rows": 256, "log_every": 5},
@@ -95,25 +98,34 @@ def _job(tmp_path: Path, job_id: str, data_url: str, incremental: bool, **extra:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, data_url: str) -> JobConfig:
-    """The job with full checkpoints only, uninterrupted."""
-    tmp = tmp_path_factory.mktemp("reference")
-    config = _job(tmp, "reference", data_url, incremental=False)
-    done = run_trainer(config, tmp)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return config
+def reference(
+    tmp_path_factory: pytest.TempPathFactory, data_url: str
+) -> Callable[[int], JobConfig]:
+    """The job with full checkpoints only, uninterrupted, on ``nproc`` ranks (run once)."""
+    done: dict[int, JobConfig] = {}
+
+    def of(nproc: int) -> JobConfig:
+        if nproc not in done:
+            tmp = tmp_path_factory.mktemp(f"reference-{nproc}proc")
+            config = _job(tmp, "reference", data_url, incremental=False)
+            ran = run_trainer(config, tmp, nproc=nproc)
+            assert ran.returncode == 0, ran.stderr[-3000:]
+            done[nproc] = config
+        return done[nproc]
+
+    return of
 
 
-def _killed_at_anchor(tmp_path: Path, job_id: str, data_url: str) -> JobConfig:
+def _killed_at_anchor(tmp_path: Path, job_id: str, data_url: str, nproc: int = 1) -> JobConfig:
     """An incremental job whose first attempt is killed while uploading its anchor."""
     config = _job(tmp_path, job_id, data_url, incremental=True, faults=KILL_AT_ANCHOR)
-    killed = run_trainer(config, tmp_path)
+    killed = run_trainer(config, tmp_path, nproc=nproc)
     assert killed.returncode != 0
     return config
 
 
-def _relaunch(config: JobConfig, tmp_path: Path) -> Any:
-    done = run_trainer(config.model_copy(update={"faults": ()}), tmp_path)
+def _relaunch(config: JobConfig, tmp_path: Path, nproc: int = 1) -> Any:
+    done = run_trainer(config.model_copy(update={"faults": ()}), tmp_path, nproc=nproc)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -143,10 +155,14 @@ def _kinds(config: JobConfig) -> dict[int, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2], ids=["1proc", "2proc"])
 def test_full_and_three_deltas_equal_a_full_checkpoint_and_resume_exactly(
-    tmp_path: Path, data_url: str, reference: JobConfig
+    tmp_path: Path, data_url: str, reference: Callable[[int], JobConfig], nproc: int
 ) -> None:
-    config = _killed_at_anchor(tmp_path, "incremental", data_url)
+    """On 2 ranks each table lives on one of them: every rank ORs its batches' ids with
+    the other's, and writes rows only of its own tables."""
+    full_job = reference(nproc)
+    config = _killed_at_anchor(tmp_path, "incremental", data_url, nproc)
     assert _kinds(config) == {
         5: CommitKind.FULL,
         10: CommitKind.DELTA,
@@ -156,10 +172,10 @@ def test_full_and_three_deltas_equal_a_full_checkpoint_and_resume_exactly(
     ckpts = {c.step: c for c in committed_checkpoints(config.layout)}
     assert [c.step for c in chain_for(ckpts[20])] == [5, 10, 15, 20]
     assert ckpts[20].manifest.base_step == 5 and ckpts[20].manifest.previous_step == 15
-    assert rows_file(0) in ckpts[20].manifest.files
+    assert {rows_file(r) for r in range(nproc)} <= set(ckpts[20].manifest.files)
     assert ckpts[20].manifest.bytes < ckpts[5].manifest.bytes
 
-    full = checkpoint_tensors(committed_checkpoints(reference.layout)[1].url)  # step 20
+    full = checkpoint_tensors(committed_checkpoints(full_job.layout)[1].url)  # step 20
     composed = composed_tensors(ckpts[20].url)
     assert composed.keys() == full.keys()
     assert any(".embedding_bags." in k for k in full) and any(k.startswith("optim.") for k in full)
@@ -170,21 +186,21 @@ def test_full_and_three_deltas_equal_a_full_checkpoint_and_resume_exactly(
     models = [
         publish_load.load(publish_load.resolve(url), job, str(tmp_path / name)).model.state_dict()
         for url, job, name in [
-            (committed_checkpoints(reference.layout)[1].url, reference, "full"),
+            (committed_checkpoints(full_job.layout)[1].url, full_job, "full"),
             (ckpts[20].url, config, "delta"),
         ]
     ]
     assert [k for k in models[0] if not torch.equal(models[0][k], models[1][k])] == []
 
-    _relaunch(config, tmp_path)
+    _relaunch(config, tmp_path, nproc)
     assert resume_marks(config)[-1][1] == 20
-    assert_bit_identical(reference, config, 25)
+    assert_bit_identical(full_job, config, 25)
     assert _kinds(config)[25] == CommitKind.FULL  # an anchor stands alone
 
 
 @pytest.mark.slow
 def test_a_corrupt_link_falls_back_to_the_last_good_link_in_one_line(
-    tmp_path: Path, data_url: str, reference: JobConfig
+    tmp_path: Path, data_url: str, reference: Callable[[int], JobConfig]
 ) -> None:
     config = _killed_at_anchor(tmp_path, "corrupt-link", data_url)
     link = storage.join(config.layout.checkpoint(15), rows_file(0))
@@ -203,7 +219,7 @@ def test_a_corrupt_link_falls_back_to_the_last_good_link_in_one_line(
         step_dir_name(15),
         step_dir_name(20),
     ]
-    assert_bit_identical(reference, config, 25)
+    assert_bit_identical(reference(1), config, 25)
 
 
 def _table(rows: int, fill: float) -> ShardedTensor:
@@ -291,3 +307,26 @@ def test_a_delta_holds_the_touched_rows_of_weights_and_optimizer_state_and_compo
         if isinstance(leaf, ShardedTensor):
             want = leaf_at(live, path).local_shards()[0].tensor
             assert torch.equal(leaf.local_shards()[0].tensor, want), path
+
+
+def test_the_tables_are_read_from_the_model_and_rows_compose_into_plain_tensors() -> None:
+    """One process reading every rank's rows (publishing) writes them at each shard's
+    offsets into the unsharded model; a part it does not load (the optimizer) is passed
+    over."""
+    config = tiny_config(Path("/nonexistent"))
+    model = RankingModel(config.data, config.model)
+    tables = embedding_tables(model)
+    assert tables["cat0"] == ("t_cat0", 50) and tables["item"] == ("t_item", 100)
+    state = {"model": {"emb.t.weight": torch.zeros(6, 4)}}
+    payload = {
+        ROWS_KEY: {
+            "model.emb.t.weight": {  # two row-wise shards: rows 0-2 and 3-5, all columns
+                "0,0": {"ids": torch.tensor([1]), "rows": torch.ones(1, 4)},
+                "3,0": {"ids": torch.tensor([0, 2]), "rows": torch.full((2, 4), 2.0)},
+            },
+            "optim.state.emb.t.weight.t.momentum1": {"0,0": {"ids": torch.tensor([0])}},
+        }
+    }
+    apply_rows(state, payload)
+    got = state["model"]["emb.t.weight"][:, 0].tolist()
+    assert got == [0.0, 1.0, 0.0, 2.0, 0.0, 2.0]
