@@ -27,8 +27,6 @@ per commit of the full job (each deleted once the next commits, keep_latest_k 1)
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import statistics
 import sys
 import tempfile
@@ -49,10 +47,10 @@ from torch.distributed._shard.metadata import ShardMetadata  # noqa: E402
 from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards  # noqa: E402
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 
+from benchmarks.bench_checkpoint import process_group  # noqa: E402
 from benchmarks.save import save_run  # noqa: E402
 from infra.accounting.ledger import Ledger  # noqa: E402
 from infra.checkpoint_manifest import committed_checkpoints  # noqa: E402
-from infra.devstack import servers  # noqa: E402
 from infra.job_layout import JobLayout  # noqa: E402
 from infra.settings import load_config  # noqa: E402
 from tests.factories import HeldState  # noqa: E402
@@ -195,17 +193,6 @@ def summary_of(commits: list[dict]) -> dict[str, Any]:
             "median_commit_s": median("commit_s", "delta"),
         },
     }
-
-
-@contextlib.contextmanager
-def process_group() -> Iterator[dist.ProcessGroup]:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(servers.free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield dist.new_group(backend="gloo")
-    finally:
-        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

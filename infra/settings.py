@@ -213,6 +213,18 @@ class CheckpointMode(StrEnum):
     OFF = "off"
 
 
+def enabled_shorthand(section: type, value: Any) -> Any:
+    """A section with an ``enabled`` field may be given as true or false alone (also as
+    the words, from an environment variable): ``{"enabled": value}``."""
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        value = value.lower() == "true"
+    if isinstance(value, bool):
+        return {"enabled": value}
+    if not isinstance(value, dict | section):
+        raise ValueError("must be true, false or a mapping of its fields")
+    return value
+
+
 class MemoryTierConfig(_Frozen):
     """The in-memory tier (trainer/checkpoint/memory_tier.py): each rank's newest state in
     this host's shared memory, restored in preference to durable storage when it is newer.
@@ -227,13 +239,7 @@ class MemoryTierConfig(_Frozen):
     @classmethod
     def _bool(cls, value: Any) -> Any:
         # ``memory_tier: false`` (or true) is the short spelling of ``enabled``.
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            value = value.lower() == "true"  # from an environment variable
-        if isinstance(value, bool):
-            return {"enabled": value}
-        if not isinstance(value, dict | MemoryTierConfig):
-            raise ValueError("must be true, false or a mapping of its fields")
-        return value
+        return enabled_shorthand(cls, value)
 
     @model_validator(mode="after")
     def _has_an_interval(self) -> MemoryTierConfig:
@@ -263,13 +269,7 @@ class IncrementalConfig(_Frozen):
     @classmethod
     def _bool(cls, value: Any) -> Any:
         # ``incremental: true`` (or false) is the short spelling of ``enabled``.
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            value = value.lower() == "true"  # from an environment variable
-        if isinstance(value, bool):
-            return {"enabled": value}
-        if not isinstance(value, dict | IncrementalConfig):
-            raise ValueError("must be true, false or a mapping of its fields")
-        return value
+        return enabled_shorthand(cls, value)
 
 
 class CheckpointConfig(_Frozen):
