@@ -121,7 +121,7 @@ def table_of(path: str, tables: Mapping[str, int], leaf: Any) -> str | None:
         return None
     for part in path.split("."):
         rows = tables.get(part)
-        if rows is not None and leaf.size(0) == rows:
+        if rows is not None and leaf.metadata().size[0] == rows:
             return part
     return None
 
