@@ -115,7 +115,7 @@ def run_job(args: argparse.Namespace, incremental: bool, root: str, pg: Any) -> 
             },
         },
     )
-    ledger = Ledger(JobLayout.at(f"file://{root}/ledgers/{job_id}"))
+    ledger = Ledger(JobLayout.at(f"{root}/ledgers/{job_id}"))  # root is a URL
     ckpt = Checkpointer(config, rank=0, world_size=1, ledger=ledger, process_group=pg)
     features = {f"f{i}": (f"t_{i}", n) for i, n in enumerate(rows)}
     ckpt.register(
