@@ -164,6 +164,18 @@ def sharding_plan(model: torch.nn.Module, env: DistEnv) -> ShardingPlan:
     return planner.collective_plan(model, get_default_sharders(), dist.GroupMember.WORLD)
 
 
+def plan_summary(plan: ShardingPlan) -> dict[str, dict[str, object]]:
+    """The plan as plain data, for the manifest: each table's sharding type and ranks."""
+    return {
+        f"{module}.{param}" if module else param: {
+            "sharding_type": sharding.sharding_type,
+            "ranks": list(sharding.ranks or []),
+        }
+        for module, params in plan.plan.items()
+        for param, sharding in params.items()  # type: ignore[attr-defined]
+    }
+
+
 def import_functional_optimizers_unscripted() -> None:
     """Import ``torch.distributed.optim`` with TorchScript off.
 

@@ -14,13 +14,14 @@ per loss and 0.002 of AUC.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from infra import storage
 from infra.accounting.ledger_read import read_events
-from infra.checkpoint_manifest import committed_checkpoints
+from infra.checkpoint_manifest import committed_checkpoints, rank_state_name
 from infra.settings import JobConfig
 from tests.factories import (
     checkpoint_tensors,
@@ -60,8 +61,6 @@ def _per_global_batch(config: JobConfig) -> dict[int, tuple[int, float]]:
 
 
 def _final_auc(config: JobConfig) -> float:
-    import json
-
     return float(json.loads(storage.read_text(config.layout.final_metrics))["auc"])
 
 
@@ -80,6 +79,13 @@ def test_two_ranks_then_one_then_two_match_two_ranks_throughout(tmp_path: Path) 
     assert [(a, s) for a, s, _ in resume_marks(resized)] == [(1, 10), (2, 20)]
     newest = committed_checkpoints(resized.layout)[0]
     assert newest.manifest.world_size == 2 and newest.step == STEPS
+    # The manifest records the plan that wrote it and the job's data position.
+    plan = newest.manifest.plan
+    assert plan and {p["sharding_type"] for p in plan.values()} == {"table_wise"}
+    assert {r for p in plan.values() for r in p["ranks"]} == {0, 1}
+    rank0 = json.loads(storage.read_text(storage.join(newest.url, rank_state_name(0))))
+    assert newest.manifest.data_position == rank0["loader"]
+    assert newest.manifest.data_position["row_offset"] > 0
 
     want, got = _per_global_batch(clean), _per_global_batch(resized)
     assert list(got) == list(want) == list(range(1, STEPS + 1))
