@@ -141,14 +141,19 @@ def init_process_group(device: torch.device, backend: str, timeout_s: float = 60
     )
 
 
-def sharding_plan(model: torch.nn.Module, env: DistEnv) -> ShardingPlan:
+def sharding_plan(
+    model: torch.nn.Module,
+    env: DistEnv,
+    sharding_types: tuple[ShardingType, ...] = (ShardingType.TABLE_WISE,),
+) -> ShardingPlan:
     """Table-wise sharding for every table: each table lives whole on one rank, its rows
     updated by the fused optimizer there (small tables are not replicated data-parallel,
-    so every table has exactly one copy and one optimizer state to checkpoint)."""
+    so every table has exactly one copy and one optimizer state to checkpoint).
+    ``sharding_types``: what the planner may pick instead (the resharding tests)."""
     tables = [name for name, _ in model.named_parameters() if name.endswith(".weight")]
     constraints = {
         name.rsplit(".", 2)[-2]: ParameterConstraints(
-            sharding_types=[ShardingType.TABLE_WISE.value]
+            sharding_types=[t.value for t in sharding_types]
         )
         for name in tables
         if "embedding" in name

@@ -81,10 +81,21 @@ def check_compatible(ckpt: CommittedCheckpoint, config: JobConfig, world_size: i
         )
 
 
-def source_rank(ckpt: CommittedCheckpoint, rank: int) -> int:
-    """Whose RNG state this rank loads: its own, or rank ``rank % N``'s when the checkpoint
-    was written by N <= rank ranks."""
-    return rank % ckpt.manifest.world_size
+def load_resharded(
+    state: dict[str, Any],
+    path: str,
+    rank: int,
+    written_by: int,
+    process_group: dist.ProcessGroup | None,
+    no_dist: bool = False,
+) -> None:
+    """``dcp.load`` of a local checkpoint written by ``written_by`` ranks into ``state``, on
+    any number of ranks: DCP reshards the tables and their optimizer state; a rank beyond
+    the writers' loads the RNG state of rank ``rank % written_by`` (the same inner dicts
+    under the saved key: DCP fills them in place)."""
+    mine, src = rng_key(rank), rng_key(rank % written_by)
+    target = {src if key == mine else key: part for key, part in state.items()}
+    dcp.load(target, checkpoint_id=path, process_group=process_group, no_dist=no_dist)
 
 
 def json_rank(ckpt: CommittedCheckpoint, rank: int, world_size: int | None) -> int:
@@ -132,10 +143,8 @@ def load_into(
     try:
         local = fetch(ckpt, tmp)
         try:
-            # The same inner dicts under the saved key: DCP fills them in place.
-            mine, src = rng_key(rank), rng_key(source_rank(ckpt, rank))
-            target = {src if key == mine else key: part for key, part in state.items()}
-            dcp.load(target, checkpoint_id=local, process_group=process_group, no_dist=no_dist)
+            written_by = ckpt.manifest.world_size
+            load_resharded(state, local, rank, written_by, process_group, no_dist)
             extra_path = os.path.join(local, rank_state_name(json_rank(ckpt, rank, world_size)))
             if not os.path.exists(extra_path):
                 return {}
