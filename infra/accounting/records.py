@@ -91,6 +91,25 @@ class ResumeRecord:
         return text
 
 
+@dataclass(frozen=True)
+class ResizeRecord:
+    """An attempt that resumed on another number of ranks than its checkpoint's writers (a
+    ``resize`` mark of rank 0): the tables and the data position were resharded."""
+
+    attempt: int
+    at: float  # seconds from W's start
+    step: int
+    from_ranks: int
+    to_ranks: int
+
+    def describe(self) -> str:
+        """``attempt 2 resized at step 10: 2 -> 1 ranks (resharded from the checkpoint)``."""
+        return (
+            f"attempt {self.attempt} resized at step {self.step}: {self.from_ranks} -> "
+            f"{self.to_ranks} ranks (resharded from the checkpoint)"
+        )
+
+
 def short_reason(reason: str) -> str:
     """A checkpoint error without the checkpoint's URL, which the record names already:
     ``checkpoint s3://b/j/step-000000150 is corrupt: checksum mismatch in x`` -> ``checksum
@@ -182,6 +201,7 @@ class EttReport:
     lost_standbys: tuple[LostStandby, ...] = ()
     resumes: tuple[ResumeRecord, ...] = ()
     fallback_redone_s: float = 0.0  # of wasted_training: redone because a fallback went back
+    resizes: tuple[ResizeRecord, ...] = ()  # attempts that ran on another number of ranks
     clock: ClockCheck = field(default_factory=ClockCheck)
     segments: tuple[tuple[float, float, str], ...] = field(repr=False, default=())
 

@@ -101,6 +101,14 @@ def restore_states(
         newest_step=newest,
         skipped=skipped,
     )
+    if restored.checkpoint.manifest.world_size != world_size:
+        ledger.mark(
+            Mark.RESIZE,
+            step=step,
+            url=restored.checkpoint.url,
+            from_ranks=restored.checkpoint.manifest.world_size,
+            to_ranks=world_size,
+        )
     if rank == 0:
         fell_back = "".join(
             f"; step {s.step} {'quarantined' if s.quarantined else 'skipped'}: {s.reason}"

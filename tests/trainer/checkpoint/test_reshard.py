@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 
 from infra import storage
+from infra.accounting.ett import report_for_job
 from infra.accounting.ledger_read import read_events
+from infra.accounting.report import recovery_lines
 from infra.checkpoint_manifest import committed_checkpoints, rank_state_name
 from infra.settings import JobConfig
 from tests.factories import (
@@ -77,6 +79,11 @@ def test_two_ranks_then_one_then_two_match_two_ranks_throughout(tmp_path: Path) 
         result = run_trainer(resized, tmp_path, nproc=nproc)
         assert result.returncode == 0, result.stdout[-3000:]
     assert [(a, s) for a, s, _ in resume_marks(resized)] == [(1, 10), (2, 20)]
+    # Each resize is a ledger event and a line of the ETT report's "What recovery did".
+    lines = recovery_lines(report_for_job(resized.layout))
+    assert "attempt 1 resized at step 10: 2 -> 1 ranks (resharded from the checkpoint)" in lines
+    assert "attempt 2 resized at step 20: 1 -> 2 ranks (resharded from the checkpoint)" in lines
+    assert not recovery_lines(report_for_job(clean.layout))
     newest = committed_checkpoints(resized.layout)[0]
     assert newest.manifest.world_size == 2 and newest.step == STEPS
     # The manifest records the plan that wrote it and the job's data position.
