@@ -8,7 +8,6 @@ plan given, saves again; the two checkpoints, read whole, must be equal tensor f
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torchrec.distributed.types import ShardingType
 
+from infra.devstack.servers import free_port
 from infra.settings import JobConfig
 from tests.factories import checkpoint_tensors, tiny_config
 from trainer.checkpoint.restore import load_resharded
@@ -92,14 +92,8 @@ def _rank(
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _run(world: int, config: JobConfig, kind: str, src: tuple, dst: str) -> None:
-    mp.spawn(_rank, args=(world, _free_port(), config, kind, src, dst), nprocs=world, join=True)
+    mp.spawn(_rank, args=(world, free_port(), config, kind, src, dst), nprocs=world, join=True)
 
 
 # The sharding types TorchRec's planner allows on a CPU (gloo) for these tables: table-wise
