@@ -6,13 +6,15 @@ a crash at 24% of the steps, a SIGKILL of the rank at 50% and a preemption (SIGT
 Both use the same retry policy and ``--backoff-s``, so the difference is the mechanisms.
 
 - **baseline** (what a team gets without this product):
-  synchronous checkpoints every ``BASELINE_EVERY_STEPS`` = 100 steps; a cold compile in every
-  attempt (no compile cache); init stages one after another; a new torchrun per failure (no
-  warm standby, no in-process restart) whose ranks are fresh interpreters; evaluation in the
-  training loop; the anchor published inside the job (benchmarks/coupled_trainer.py).
-- **optimized**: the defaults (async staged checkpoints at the advisor's interval, the shared
-  compile cache, parallel init, forked ranks, warm standby, in-process restart, the side
-  evaluator, publishing as its own flow run after the job). The compile cache is warmed by a
+  synchronous checkpoints every ``BASELINE_EVERY_STEPS`` = 100 steps and no in-memory tier;
+  a cold compile in every attempt (no compile cache); init stages one after another; a new
+  torchrun per failure (no warm standby, no in-process restart) whose ranks are fresh
+  interpreters; evaluation in the training loop; the anchor published inside the job
+  (benchmarks/coupled_trainer.py).
+- **optimized**: the defaults (async staged checkpoints at the advisor's interval and
+  in-memory copies at their own, the shared compile cache, parallel init, forked ranks, warm
+  standby, in-process restart, the side evaluator, publishing as its own flow run after the
+  job). The compile cache is warmed by a
   short job under the same storage root first, as every job after the first one finds it.
 
 A failure strikes the attempt that reaches its step: in the baseline each failure ends an
@@ -92,7 +94,11 @@ def overrides(variant: str, work: Path, steps: int) -> dict[str, Any]:
             "parallel_init": False,
             "eval": "inline",
         },
-        "checkpoint": {"mode": "sync", "every_steps": BASELINE_EVERY_STEPS},
+        "checkpoint": {
+            "mode": "sync",
+            "every_steps": BASELINE_EVERY_STEPS,
+            "memory_tier": False,  # durable checkpoints only
+        },
         "recovery": {"standby": False, "in_process_restart": False},
     }
 

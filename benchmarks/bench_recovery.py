@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.save import run_record, save_json  # noqa: E402
+from benchmarks.save import save_run  # noqa: E402
 from infra import processes  # noqa: E402
 from infra.accounting.ett import report_for_job  # noqa: E402
 from infra.control import Phase, Progress  # noqa: E402
@@ -178,14 +178,7 @@ def main() -> int:
         print(
             f"| {kind} | {s if s is not None else '-'} | {c if c is not None else '-'} | {ratio} |"
         )
-    result = {
-        "benchmark": "recovery",
-        "args": vars(args),
-        "summary": summary,
-        "rows": rows,
-        **run_record(started),
-    }
-    save_json(result, args.out)
+    save_run("recovery", args, summary, rows, started, args.out)
     return 0
 
 

@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_recovery import KillAttemptAt, one_failure  # noqa: E402
-from benchmarks.save import run_record, save_json  # noqa: E402
+from benchmarks.save import save_run  # noqa: E402
 from infra import storage  # noqa: E402
 from infra.accounting.ett import report_for_job  # noqa: E402
 from infra.accounting.ledger_format import Mark, file_name  # noqa: E402
@@ -157,14 +157,7 @@ def main() -> int:
     for mode in modes:
         dev, host = summary[mode]["device"], summary[mode]["host"]
         print(f"| {mode} | {dev:.3f} | {host:.3f} | {host - dev:+.3f} |")
-    result = {
-        "benchmark": "standby_park",
-        "args": vars(args),
-        "summary": summary,
-        "rows": rows,
-        **run_record(started),
-    }
-    save_json(result, args.out)
+    save_run("standby_park", args, summary, rows, started, args.out)
     return 0
 
 

@@ -29,3 +29,17 @@ def run_record(started: float) -> dict[str, Any]:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "minutes": round((time.time() - started) / 60, 1),
     }
+
+
+def save_run(
+    benchmark: str,
+    args: Any,
+    summary: Mapping[str, Any],
+    rows: list[dict[str, Any]],
+    started: float,
+    out: str | Path,
+) -> Path:
+    """A side-by-side benchmark's result, as each of them writes it: its name, its arguments
+    (an argparse namespace), the summary, every row, and the run record."""
+    result = {"benchmark": benchmark, "args": vars(args), "summary": summary, "rows": rows}
+    return save_json({**result, **run_record(started)}, out)

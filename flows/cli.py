@@ -31,9 +31,10 @@ from flows.commands import (
     cmd_stack,
     cmd_train,
 )
+from infra import log_lines
 from infra.config_sources import ConfigError
 from infra.exit_codes import ExitCode
-from infra.library_logs import quiet_library_dumps
+from infra.library_logs import quiet_libraries
 
 log = logging.getLogger("ett")
 
@@ -236,13 +237,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     # Our own loggers at INFO, libraries' (httpx, botocore, ...) only from WARNING on.
+    if args.verbose:  # the ranks and the evaluator too (infra/log_lines.py)
+        os.environ[log_lines.ENV_LEVEL] = "DEBUG"
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(asctime)s %(name)s: %(message)s",
+        format=log_lines.line_format(),
     )
     for name in ("ett", *PROJECT_LOGGERS):
         logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
-    quiet_library_dumps()
+    logging.captureWarnings(True)  # a library's warning is a WARNING line, or noise
+    quiet_libraries()
     if args.subcommand == "publish":
         args.argv = argv[argv.index("publish") + 1 :]  # publish parses its own flags
     prog = f"ett {args.subcommand}"

@@ -192,6 +192,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     layout = _layout(args, config)
     summary = JobSummary.read(layout)
     tables.show(sections(summary.report, summary.mfu))
+    if (cold := summary.cold_start()) is not None:
+        print(cold.describe())  # why a first job's Time to Start is long
     if args.plot:
         print(f"wall-time breakdown: {plot_breakdown(summary.report, args.plot)}")
     if args.log:

@@ -22,6 +22,7 @@ Everything lands under the current directory: ``runs/`` (data, checkpoints, ledg
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -32,19 +33,50 @@ DEFAULT_BACKOFF_S = 2.0
 PUBLISH_DEPLOYMENT = "publish/publish"
 PUBLISH_WAIT_S = 900.0  # the triggered run: the worker's poll, a process start, publishing
 STAGES = ("data", "training", "publishing", "report")
+MLFLOW_UI_PORT = 5001  # `ett stack up` serves MLflow on 5000
 
 
 class DemoError(RuntimeError):
     """The demo cannot run as asked (e.g. PREFECT_API_URL names a server that is down)."""
 
 
+def command(name: str) -> str:
+    """``name`` as a user types it from here: beside this interpreter (``.venv/bin/ett``)
+    relative to the current folder when it is under it, else its full path."""
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
 def _mlflow_hint(tracking_uri: str) -> str:
     if tracking_uri.startswith("sqlite:///"):
         return (
-            f"mlflow ui --backend-store-uri {tracking_uri}   # then open "
-            "http://127.0.0.1:5000 (experiment, nested attempt runs, registered model)"
+            f"{command('mlflow')} ui --backend-store-uri {tracking_uri} --port {MLFLOW_UI_PORT}"
+            f"   # then open http://127.0.0.1:{MLFLOW_UI_PORT} (the experiment, the job's run "
+            "and its attempts, the registered model)"
         )
     return f"open {tracking_uri} in a browser"
+
+
+def closing_lines(
+    job_id: str, config: str | None, tracking_uri: str, server: str | None, flow_run_id: Any
+) -> list[str]:
+    """What to run or open next, each command as it works from the demo's folder."""
+    ett = command("ett")
+    with_config = f" --config {shlex.quote(config)}" if config else ""
+    lines = [
+        f"ETT report again: {ett} report {job_id}{with_config}   (--plot ett.png for the picture)",
+        f"MLflow UI: {_mlflow_hint(tracking_uri)}",
+    ]
+    if server:
+        ui = server.rstrip("/").removesuffix("/api")
+        lines.append(f"Prefect UI: {ui}/runs/flow-run/{flow_run_id}")
+    else:
+        lines.append(
+            f"Prefect: this demo ran on a temporary API; to keep its runs: {ett} stack up, "
+            f'eval "$({ett} stack env)", then {ett} demo (README, Orchestration)'
+        )
+    return lines
 
 
 def prefect_server() -> str | None:
@@ -202,6 +234,8 @@ def run_demo(steps: int | None = None, nproc: int = 1, config: str | None = None
         summary = JobSummary.read(JobLayout.at(result["job_url"]))
     print(f"\n== ETT report of job {job_id} ==\n")
     tables.show(sections(summary.report, summary.mfu))
+    if (cold := summary.cold_start()) is not None:
+        print(cold.describe())
     print(f"attempts: {'; '.join(result['attempts'])}")
     if published:
         aliases = ", ".join(published.get("aliases") or []) or "none"
@@ -213,14 +247,9 @@ def run_demo(steps: int | None = None, nproc: int = 1, config: str | None = None
         f"time: data {t_data:.0f} s, training flow {t_train:.0f} s, publishing "
         f"{t_publish:.0f} s, total {time.monotonic() - t0:.0f} s"
     )
-    print(f"\nETT report again: ett report {job_id}   (--plot ett.png for the picture)")
-    print(f"MLflow UI: {_mlflow_hint(base.tracking.mlflow_uri)}")
-    if server:
-        ui = server.rstrip("/").removesuffix("/api")
-        print(f"Prefect UI: {ui}/runs/flow-run/{state.state_details.flow_run_id}")
-    else:
-        print(
-            "Prefect: this demo ran on a temporary API; start `ett stack up` and "
-            '`eval "$(ett stack env)"` to keep the runs (see README, Orchestration).'
-        )
+    flow_run_id = state.state_details.flow_run_id
+    print(
+        "\n"
+        + "\n".join(closing_lines(job_id, config, base.tracking.mlflow_uri, server, flow_run_id))
+    )
     return 0 if published is not None and result["failures"] >= 1 else 1

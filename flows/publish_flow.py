@@ -18,7 +18,7 @@ from prefect import flow, get_run_logger
 
 from flows.run_names import publish_run_name
 from tasks import publish as stages
-from tasks.artifacts import gate_of, link_runs, show_publication
+from tasks.artifacts import link_runs, show_publication
 from tasks.events import emit_model_published
 
 
@@ -60,7 +60,7 @@ def publish_flow(
         pub.close()
     assert pub.client is not None  # connected by prepare
     summary = result.to_dict()
-    summary["gate"] = gate = gate_of(summary, pub)
+    gate = summary["gate"]  # publish/gate.py's GateDecision; None: no decision on record
     show_publication(pub.client.tracking_uri, summary, gate)
     emit_model_published(summary, train_flow_run_id, gate)
     verb = "was already published as" if result.already_published else "published as"

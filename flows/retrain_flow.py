@@ -6,8 +6,9 @@
    or the newest one trained already: the run ends, Completed, saying so (nothing to do is
    not a failure of a scheduled run).
 2. The warm start: the current champion of the registered model (MLflow alias ``champion``)
-   carries its anchor checkpoint's URI in the version tag ``anchor_uri`` (set by publishing);
-   it becomes ``checkpoint.warm_start``. No champion: a cold start.
+   was registered from its anchor's LoggedModel, whose param ``anchor_uri`` names the
+   checkpoint (publish/registry.anchor_uri_of); it becomes ``checkpoint.warm_start``. No
+   champion: a cold start.
 3. Training: the ``train`` flow as a subflow, job id ``<job_prefix>-<YYYY-MM-DD>``. A window
    whose job started but never committed its anchor resumes that job.
 4. Promotion is not decided here: the anchor event triggers ``publish``, which compares the
@@ -31,7 +32,6 @@ from tasks.events import find_anchor
 from tasks.logs import logger
 
 CHAMPION_ALIAS = "champion"
-ANCHOR_TAG = "anchor_uri"  # version tag written by publish/pipeline.py
 IO_TIMEOUT_S = 120  # a listing of the data root, a registry lookup
 
 
@@ -72,6 +72,7 @@ def champion_anchor(tracking_uri: str, registered_model: str) -> str | None:
     from mlflow.exceptions import MlflowException
 
     from infra.tracking.client import client as mlflow_client
+    from publish.registry import ANCHOR_PARAM, anchor_uri_of
 
     client = mlflow_client(tracking_uri)
     try:
@@ -81,13 +82,13 @@ def champion_anchor(tracking_uri: str, registered_model: str) -> str | None:
             logger().info("no champion of %s yet: cold start", registered_model)
             return None
         raise
-    uri = (version.tags or {}).get(ANCHOR_TAG)
+    uri = anchor_uri_of(client, version)
     if not uri:
         logger().warning(
-            "champion %s v%s has no %s tag: cold start",
+            "champion %s v%s names no %s (its model's param or its tag): cold start",
             registered_model,
             version.version,
-            ANCHOR_TAG,
+            ANCHOR_PARAM,
         )
         return None
     logger().info("champion %s v%s: warm start from %s", registered_model, version.version, uri)

@@ -215,6 +215,42 @@ class CheckpointMode(StrEnum):
     OFF = "off"
 
 
+class MemoryTierConfig(_Frozen):
+    """The in-memory tier (trainer/checkpoint/memory_tier.py): each rank's newest state in
+    this host's shared memory, restored in preference to durable storage when it is newer.
+    Its interval fields mean what the durable tier's do, for its own copies."""
+
+    enabled: bool = True
+    every_steps: int | Literal["auto"] | None = Field(default="auto")
+    every_seconds: float | None = Field(default=None, gt=0, le=7 * 86_400)
+    cost_budget: float = Field(default=0.01, gt=0, le=0.5)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bool(cls, value: Any) -> Any:
+        # ``memory_tier: false`` (or true) is the short spelling of ``enabled``.
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            value = value.lower() == "true"  # from an environment variable
+        if isinstance(value, bool):
+            return {"enabled": value}
+        if not isinstance(value, dict | MemoryTierConfig):
+            raise ValueError("must be true, false or a mapping of its fields")
+        return value
+
+    @model_validator(mode="after")
+    def _has_an_interval(self) -> MemoryTierConfig:
+        if isinstance(self.every_steps, int) and self.every_steps < 1:
+            raise ValueError(
+                f"memory_tier.every_steps must be >= 1 or 'auto', got {self.every_steps}"
+            )
+        if self.enabled and self.every_steps is None and self.every_seconds is None:
+            raise ValueError(
+                "memory_tier.every_steps and memory_tier.every_seconds are both null: no "
+                "in-memory copy would ever be taken; set one of them, or memory_tier: false"
+            )
+        return self
+
+
 class CheckpointConfig(_Frozen):
     """When and how checkpoints are taken (trainer/checkpoint/)."""
 
@@ -233,6 +269,8 @@ class CheckpointConfig(_Frozen):
     # every_steps: auto spends at most this share of training time on checkpoints until
     # failures are seen (then Young's interval from the observed MTBF takes over).
     cost_budget: float = Field(default=0.01, gt=0, le=0.5)
+    # Each rank's newest state in host shared memory (/dev/shm), docs/checkpoints.md.
+    memory_tier: MemoryTierConfig = Field(default=MemoryTierConfig(), strict=False)
 
     @field_validator("mode", mode="before")
     @classmethod
@@ -329,9 +367,16 @@ class FaultConfig(_Frozen):
     """An injected failure, for demos, tests and benchmarks."""
 
     # sigkill_mid_upload / sigkill_before_manifest kill the process while the checkpoint of
-    # that step is being written or is about to be committed.
+    # that step is being written or is about to be committed; sigkill_mid_memory_copy while
+    # its in-memory copy is half written.
     kind: Literal[
-        "crash", "sigkill", "sigterm", "hang", "sigkill_mid_upload", "sigkill_before_manifest"
+        "crash",
+        "sigkill",
+        "sigterm",
+        "hang",
+        "sigkill_mid_upload",
+        "sigkill_before_manifest",
+        "sigkill_mid_memory_copy",
     ]
     step: int = Field(ge=0)
     attempt: int = Field(default=0, ge=0)

@@ -45,6 +45,7 @@ CHECKPOINT_TESTS = (
     "tests/trainer/checkpoint",
 )
 RECOVERY_TESTS = ("tests/reliability/test_recovery_paths.py",)
+MEMORY_TIER_TESTS = ("tests/trainer/checkpoint/test_memory_tier.py",)
 GATE_TESTS = ("tests/publish/test_gate.py",)
 CLOCK_TESTS = ("tests/infra/test_clocks.py", "tests/reliability/test_ledger_times.py")
 FLEET_TESTS = ("tests/tasks/test_node_fleet.py",)
@@ -183,8 +184,10 @@ BREAKS = (
         "trainer/consensus.py",
         (
             (
-                "            agreed = Agreed(bool(self._flags[0]), bool(self._flags[1]))\n",
-                "            agreed = Agreed(bool(self._flags[1]), bool(self._flags[0]))\n",
+                "            agreed = Agreed(bool(self._flags[0]), bool(self._flags[1]), "
+                "bool(self._flags[2]))\n",
+                "            agreed = Agreed(bool(self._flags[1]), bool(self._flags[0]), "
+                "bool(self._flags[2]))\n",
             ),
         ),
         RECOVERY_TESTS,
@@ -457,6 +460,32 @@ BREAKS = (
         ("tests/tasks/test_job_identity.py",),
     ),
     Break(
+        "B47",
+        "the ETT headline's section sorts ahead of the training curves in MLflow's metrics tab",
+        "infra/tracking/metrics.py",
+        (('WALL_TIME = "wall_time/"\n', 'WALL_TIME = "ett/"\n'),),
+        ("tests/infra/test_tracking.py",),
+    ),
+    Break(
+        "B48",
+        "the run's eval points of earlier steps are linked to an anchor's LoggedModel too",
+        "infra/tracking/logged_models.py",
+        (("        if m.step == step\n", "        if m.step <= step\n"),),
+        ("tests/infra/test_tracking.py",),
+    ),
+    Break(
+        "B49",
+        "an anchor rewritten at the same URL reuses the old checkpoint's LoggedModel",
+        "infra/tracking/logged_models.py",
+        (
+            (
+                "        found += [m for m in page if m.params.get(KEY_PARAM) == ckpt.key]\n",
+                "        found += list(page)\n",
+            ),
+        ),
+        ("tests/infra/test_tracking.py",),
+    ),
+    Break(
         "B50",
         "the anchor event leaves its train flow run out (the publish run links back to none)",
         "tasks/events.py",
@@ -479,6 +508,74 @@ BREAKS = (
             ),
         ),
         ("tests/tasks/test_artifacts.py",),
+    ),
+    Break(
+        "B53",
+        "a rank's line reaches the Prefect run at INFO whatever its level",
+        "tasks/local_node.py",
+        (
+            (
+                '                self.log.log(level, "%s%s", self.prefix, message)\n',
+                '                self.log.info("%s%s", self.prefix, message)\n',
+            ),
+        ),
+        ("tests/infra/test_log_lines.py",),
+    ),
+    Break(
+        "B54",
+        "library noise is shown by every rank and attempt, not once per job",
+        "infra/library_logs.py",
+        (("        if not self.first_of_job or rule in self.seen:\n", "        if False:\n"),),
+        ("tests/infra/test_log_lines.py", "tests/infra/test_library_logs.py"),
+    ),
+    Break(
+        "B55",
+        "a job whose first attempt loaded a warm compile cache is said to have compiled cold",
+        "infra/accounting/cold_start.py",
+        (('    if cold.status != "miss" or', '    if cold.status == "off" or'),),
+        ("tests/infra/test_cold_start.py",),
+    ),
+    Break(
+        "B56",
+        "an in-memory copy is loaded without checking its digest: a torn copy is restored",
+        "trainer/checkpoint/memory_tier.py",
+        (
+            (
+                "        if _digest(meta, payload) != header.digest:\n",
+                "        if False:\n",
+            ),
+        ),
+        MEMORY_TIER_TESTS,
+    ),
+    Break(
+        "B57",
+        "an in-memory copy older than the newest durable commit is restored (work thrown away)",
+        "trainer/checkpoint/resume.py",
+        (("        if copy.step < durable:\n", "        if copy.step < 0:\n"),),
+        MEMORY_TIER_TESTS,
+    ),
+    Break(
+        "B58",
+        "every in-memory copy overwrites the same slot: a kill mid-copy leaves no whole copy",
+        "trainer/checkpoint/memory_tier.py",
+        (
+            (
+                "        slot = Slot.B if newest is not None and newest.slot == Slot.A "
+                "else Slot.A\n",
+                "        slot = Slot.A\n",
+            ),
+        ),
+        MEMORY_TIER_TESTS,
+    ),
+    Break(
+        "B59",
+        "the orchestrator leaves an ended job's in-memory copies in /dev/shm",
+        "tasks/orchestrator.py",
+        (("            memory_tier.remove_segments(self.layout)\n", "            pass\n"),),
+        (
+            "tests/reliability/test_cleanup.py::test_a_job_out_of_retries_leaves_nothing",
+            "tests/reliability/test_cleanup.py::test_a_rank_killed_mid_upload_to_s3_leaves_no_spool",
+        ),
     ),
     Break(
         "B61",

@@ -1,8 +1,13 @@
-"""Loaded anchor -> an MLflow pyfunc model logged in a "publish" run.
+"""Loaded anchor -> an MLflow pyfunc model logged into the anchor's LoggedModel.
 
-The publish run lives in the training run's experiment (the job config's experiment when
-no training run is known) and is nested under the training run (``mlflow.parentRunId``), so
-the MLflow UI shows what was published from which training run. The model holds:
+The anchor's LoggedModel is the training run's (``ranker-<job>-step-<N>``, made when the job
+was logged: infra/tracking/logged_models.py); a checkpoint nobody logged gets it made here, the
+same way, on the training run (or on the publish run when no training run is known). The
+served model's files go into that LoggedModel, so the training run's page shows the model and,
+once registered, its version. The publish run holds the gate: it lives in the training run's
+experiment (the job config's experiment when no training run is known), is nested under the
+training run (``mlflow.parentRunId``), lists the model as its input and logs the gate's
+metrics with the model's id. The model holds:
 
     weights.pt          plain tensor state dict (torch.save), loaded with weights_only=True
     model_config.json   the data schema and model hyper-parameters to rebuild the model
@@ -38,13 +43,14 @@ import mlflow
 import pandas as pd
 import torch
 from mlflow import MlflowClient
-from mlflow.entities import Param
+from mlflow.entities import LoggedModel, LoggedModelInput, Param
 from mlflow.exceptions import MlflowException
 from mlflow.utils import mlflow_tags
 
 from infra.naming import publish_run_name
 from infra.settings import JobConfig
-from infra.tracking import mlflow_runs
+from infra.tracking import logged_models, mlflow_runs
+from infra.tracking import metrics as names
 from infra.tracking.client import client, ensure_experiment
 from infra.tracking.run_metadata import source_tags
 from publish import serving
@@ -198,12 +204,14 @@ def find_training_run(client: MlflowClient, config: JobConfig, job_id: str) -> s
 def _description(config: JobConfig, ref: AnchorRef, rows: int) -> str:
     return (
         f"Publishing of `{ref.uri}` (step {ref.step}) of job `{config.job_id}`.\n\n"
-        f"- `publish.*`: the publish gate, on the first {rows} holdout rows (dataset "
+        f"- `{names.PUBLISH}*`: the publish gate, on the first {rows} holdout rows (dataset "
         f"`holdout[:{rows}]`), the rows the champion is re-scored on. The training run's "
-        f"`trainer.holdout_auc` uses the first {config.train.eval_rows} rows of the same "
+        f"`{names.EVAL_AUC}` uses the first {config.train.eval_rows} rows of the same "
         "split: a larger sample, so the two differ by sampling noise.\n"
-        "- `publish.parity_max_abs_diff`: the exported model against the trainer's own "
-        "forward pass on those rows."
+        f"- `{names.PUBLISH}parity_max_abs_diff`: the exported model against the trainer's own "
+        "forward pass on those rows.\n"
+        "- The model it published is the anchor's LoggedModel of the training run (this run's "
+        "input)."
     )
 
 
@@ -243,9 +251,46 @@ def open_publish_run(
     return run_id, experiment_id
 
 
-def export(loaded: LoadedAnchor, example: pd.DataFrame, run_id: str, workdir: str) -> Exported:
-    """Log the serving model into the publish run; returns its ``models:/`` URI. An MLflow
-    error propagates as itself (the flow retries it); only a bad model is a PublishError."""
+def checkpoint_model(
+    client: MlflowClient,
+    ref: AnchorRef,
+    job_id: str,
+    experiment_id: str,
+    training_run_id: str | None,
+    publish_run_id: str,
+) -> LoggedModel:
+    """The anchor's LoggedModel (found, or made on the training run, else on the publish
+    run), listed as the publish run's input."""
+    ckpt = logged_models.CheckpointModel(
+        job_id=job_id,
+        step=ref.step,
+        uri=ref.uri,
+        manifest_sha256=ref.manifest_sha256,
+        world_size=ref.manifest.world_size,
+    )
+    model = logged_models.ensure_model(
+        client,
+        experiment_id,
+        ckpt,
+        training_run_id,
+        source_run_id=training_run_id or publish_run_id,
+        code="flows/publish_flow.py",
+    )
+    client.log_inputs(publish_run_id, models=[LoggedModelInput(model.model_id)])
+    return model
+
+
+def export(
+    ml: MlflowClient,
+    loaded: LoadedAnchor,
+    example: pd.DataFrame,
+    run_id: str,
+    workdir: str,
+    model: LoggedModel,
+) -> Exported:
+    """Log the serving model into the anchor's LoggedModel ``model`` (the anchor's config
+    goes to the publish run ``run_id``); returns its ``models:/`` URI. An MLflow error
+    propagates as itself (the flow retries it); only a bad model is a PublishError."""
     data, model_config = loaded.config.data, loaded.config.model
     os.makedirs(workdir, exist_ok=True)
     weights = os.path.join(workdir, "weights.pt")
@@ -256,25 +301,24 @@ def export(loaded: LoadedAnchor, example: pd.DataFrame, run_id: str, workdir: st
     code = os.path.join(os.path.dirname(serving.__file__), "serving_model.py")
     code_dir = os.path.join(workdir, "code")
     shutil.rmtree(code_dir, ignore_errors=True)  # a retried export stages afresh
-    with mlflow.start_run(run_id=run_id) as run:
-        info = mlflow.pyfunc.log_model(
-            name=MODEL_NAME,
-            python_model=code,
-            artifacts={
-                serving.WEIGHTS: weights,
-                serving.MODEL_CONFIG: config_path,
-                SHIM_ARTIFACT: shim,
-            },
-            code_paths=stage_code(code_dir),
-            signature=serving.signature(data),
-            input_example=example.head(EXAMPLE_ROWS),
-            pip_requirements=pip_requirements(shim),
-            metadata={"anchor_uri": loaded.ref.uri, "anchor_step": loaded.ref.step},
-            # The model page's "Logged from" and commit: this code, not the caller's script
-            # (Prefect's engine, or publish/__main__.py).
-            tags=source_tags("flows/publish_flow.py"),
-        )
-        mlflow.log_artifact(os.path.join(loaded.local_dir, "config.yaml"), "anchor")
-        experiment_id = run.info.experiment_id
+    # No active run: the model is the training run's, at its step (ensure_model linked it);
+    # an active publish run would make it that run's output as well.
+    info = mlflow.pyfunc.log_model(
+        name=MODEL_NAME,
+        model_id=model.model_id,
+        python_model=code,
+        artifacts={
+            serving.WEIGHTS: weights,
+            serving.MODEL_CONFIG: config_path,
+            SHIM_ARTIFACT: shim,
+        },
+        code_paths=stage_code(code_dir),
+        signature=serving.signature(data),
+        input_example=example.head(EXAMPLE_ROWS),
+        pip_requirements=pip_requirements(shim),
+        metadata={"anchor_uri": loaded.ref.uri, "anchor_step": loaded.ref.step},
+    )
+    ml.log_artifact(run_id, os.path.join(loaded.local_dir, "config.yaml"), "anchor")
+    experiment_id = ml.get_run(run_id).info.experiment_id
     log.info("exported %s as %s (publish run %s)", loaded.ref.uri, info.model_uri, run_id)
     return Exported(info.model_uri, info.model_id, run_id, experiment_id)

@@ -22,6 +22,7 @@ from infra.checkpoint_manifest import MANIFEST, CheckpointError, CommittedCheckp
 from infra.config_sources import ConfigError
 from infra.job_layout import JobLayout
 from infra.settings import JobConfig, load_config
+from infra.tracking.logged_models import anchor_key
 from publish.settings import PublishError
 from trainer.checkpoint.restore import fetch
 from trainer.model import RankingModel
@@ -48,8 +49,7 @@ class AnchorRef:
     def key(self) -> str:
         """Identity of this anchor for idempotent publishing: URI + manifest checksum
         (a checkpoint rewritten at the same URL gets a new key)."""
-        text = f"{self.uri.rstrip('/')}\n{self.manifest_sha256}"
-        return hashlib.sha256(text.encode()).hexdigest()[:32]
+        return anchor_key(self.uri, self.manifest_sha256)
 
     @property
     def layout(self) -> JobLayout | None:

@@ -33,14 +33,18 @@ from typing import Any
 
 import mlflow
 from mlflow import MlflowClient
+from mlflow.entities import Metric
 
 from infra import storage
 from infra.accounting.ledger import Ledger, next_attempt
 from infra.accounting.ledger_format import Span
 from infra.config_sources import ConfigError
 from infra.settings import JobConfig, load_config
+from infra.tracking import logged_models
+from infra.tracking import metrics as names
 from publish import export as export_mod
-from publish import registry, validate
+from publish import gate, registry, validate
+from publish.gate import GATE_TAG, GateDecision
 from publish.load import AnchorRef, LoadedAnchor, check_expected, load, read_config, resolve
 from publish.settings import PublishError, PublishSettings, make_settings
 
@@ -65,6 +69,10 @@ class PublishResult:
     metrics: dict[str, float] = field(default_factory=dict)
     champion_auc: float | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    model_id: str | None = None  # the anchor's LoggedModel (of the training run)
+    # publish.gate.GateDecision.to_dict(); None when the anchor was published already and
+    # its model holds no decision (published before the gate was recorded)
+    gate: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -151,7 +159,10 @@ class Publication:
         found = registry.published_version(self.client, name, self.ref.key)
         if found is not None:
             log.info("%s is already published as %s version %s", self.ref.uri, name, found.version)
-            self.result = self._result_from(found, name, already=True)
+            # A version from a search carries no aliases: read it whole, so the result says
+            # "aliases: candidate", not "none".
+            version = self.client.get_model_version(name, found.version)
+            self.result = self._result_from(version, name, already=True)
         return self.result is not None
 
     @property
@@ -193,14 +204,23 @@ class Publication:
             attrs.update(world_size=self.ref.manifest.world_size, rows=self.holdout.rows)
 
     def export(self) -> None:
-        """publish_export: log the pyfunc model to MLflow in a publish run."""
+        """publish_export: open the publish run, log the pyfunc model into the anchor's
+        LoggedModel (the training run's; made here when nobody logged it)."""
         assert self.loaded is not None and self.holdout is not None and self.client is not None
         with self._stage(Span.PUBLISH_EXPORT) as attrs:
-            run_id, _ = export_mod.open_publish_run(
+            run_id, experiment_id = export_mod.open_publish_run(
                 self.client, self.loaded.config, self.ref, self.training_run_id, self.holdout.rows
             )
+            model = export_mod.checkpoint_model(
+                self.client, self.ref, self.job_id, experiment_id, self.training_run_id, run_id
+            )
             self.exported = export_mod.export(
-                self.loaded, self.holdout.frame, run_id, f"{self.workdir}/export"
+                self.client,
+                self.loaded,
+                self.holdout.frame,
+                run_id,
+                f"{self.workdir}/export",
+                model,
             )
             attrs.update(model_uri=self.exported.model_uri, publish_run_id=run_id)
 
@@ -234,64 +254,102 @@ class Publication:
             champ = registry.score_champion(
                 self.client,
                 name,
-                lambda uri: validate.auc_of(
+                lambda uri: validate.auc_and_logloss_of(
                     validate.pyfunc_predictions(uri, holdout.frame), holdout.labels
                 ),
             )
-            v = self.validation
-            promote = registry.should_promote(v.auc, champ, self.settings.champion_margin)
-            tags = {
-                "anchor_uri": self.ref.uri,
-                "anchor_step": str(self.ref.step),
-                "anchor_manifest_sha256": self.ref.manifest_sha256,
-                "anchor_world_size": str(self.ref.manifest.world_size),
-                "job_id": self.job_id,
-                "publish_run_id": self.exported.publish_run_id,
-            }
-            if self.training_run_id:
-                tags["training_run_id"] = self.training_run_id
-            if champ.version is not None:
-                tags["champion_version_at_publish"] = champ.version
-                tags["champion_auc_at_publish"] = (
-                    f"{champ.auc:.6f}" if champ.auc is not None else "unscorable"
-                )
-            if champ.error:
-                tags["champion_eval_error"] = champ.error
+            decision = self._decide(champ)
+            self._record_on_model(decision)
             version, created = registry.register(
                 self.client,
                 name,
                 self.ref.key,
                 self.exported.model_id,
-                tags,
-                promote,
-                self._version_description(v),
+                {registry.JOB_TAG: self.job_id, registry.STEP_TAG: str(self.ref.step)},
+                decision.promoted,
+                self._version_description(decision),
             )
             self.client.set_terminated(self.exported.publish_run_id, "FINISHED")
             self.result = self._result_from(version, name, already=not created)
             self.result.champion_auc = champ.auc
             self.result.publish_run_id = self.exported.publish_run_id
+            self.result.gate = decision.to_dict()
             attrs.update(version=version.version, promoted=self.result.promoted)
         self.result.seconds = dict(self.seconds)
         return self.result
 
-    def _version_description(self, v: validate.Validation) -> str:
+    def _decide(self, champ: registry.ChampionScore) -> GateDecision:
+        v = self.validation
+        assert v is not None
+        margin = self.settings.champion_margin
+        promote = registry.should_promote(v.auc, champ, margin)
+        return GateDecision(
+            candidate_auc=v.auc,
+            candidate_logloss=v.logloss,
+            champion_version=champ.version,
+            champion_auc=champ.auc,
+            champion_logloss=champ.logloss,
+            margin=margin,
+            parity_max_abs_diff=v.parity_max_abs_diff,
+            parity_tolerance=self.settings.parity_tolerance,
+            promoted=promote,
+            reason=gate.reason(v.auc, champ.version, champ.auc, margin, promote, champ.error),
+        )
+
+    def _record_on_model(self, decision: GateDecision) -> None:
+        """The decision on the LoggedModel (tag ``ett.gate``), its publish run among its
+        params (params are write-once: a completed, interrupted publish keeps the first),
+        and the champion's numbers on the publish run."""
+        assert self.client is not None and self.exported is not None
+        model_id, run_id = self.exported.model_id, self.exported.publish_run_id
+        self.client.set_logged_model_tags(model_id, {GATE_TAG: decision.to_json()})
+        params = self.client.get_logged_model(model_id).params
+        if logged_models.PUBLISH_RUN_PARAM not in params:
+            self.client.log_model_params(model_id, {logged_models.PUBLISH_RUN_PARAM: run_id})
+        champion = {
+            "champion_auc": decision.champion_auc,
+            "champion_logloss": decision.champion_logloss,
+        }
+        shown = {
+            f"{names.PUBLISH}{k}": names.score(v)
+            for k, v in champion.items()
+            if v is not None and _finite(v)
+        }
+        if shown:
+            self.client.log_batch(
+                run_id, metrics=[Metric(k, v, _now_ms(), 0) for k, v in shown.items()]
+            )
+
+    def _version_description(self, decision: GateDecision) -> str:
+        v = self.validation
+        assert v is not None
+        training = f"training run `{self.training_run_id}`" if self.training_run_id else "no run"
         return (
-            f"From anchor checkpoint `{self.ref.uri}` (step {self.ref.step}) of job "
-            f"`{self.job_id}`. Publish gate on the first {v.rows} holdout rows (dataset "
-            f"`holdout[:{v.rows}]`, the rows every champion is re-scored on): AUC "
-            f"{v.auc:.4f}, log-loss {v.logloss:.4f}; the exported model matches the trainer's "
-            f"forward pass to {v.parity_max_abs_diff:.2g}. The training run's "
-            f"`trainer.holdout_auc` is on {self.config.train.eval_rows} rows of the same split."
+            f"{decision.reason}\n\n"
+            f"Job `{self.job_id}`, step {self.ref.step} ({training}); anchor `{self.ref.uri}`. "
+            f"Gate on the first {v.rows} holdout rows (dataset `holdout[:{v.rows}]`, the rows "
+            f"every champion is re-scored on): AUC {v.auc:.4f}, log-loss {v.logloss:.4f}; the "
+            f"exported model matches the trainer's forward pass to {v.parity_max_abs_diff:.2g} "
+            f"(tolerance {self.settings.parity_tolerance:g}). The training run's "
+            f"`{names.EVAL_AUC}` is on {self.config.train.eval_rows} rows of the same split."
         )
 
     def _result_from(self, version: Any, name: str, already: bool) -> PublishResult:
         tags = version.tags or {}
         metrics: dict[str, float] = {}
+        model_id = registry.model_id_of(version)
+        publish_run_id: str | None = None
+        decision: dict[str, Any] | None = None
         if self.validation is not None:
             metrics = self.validation.metrics()
-        elif self.client is not None and (model_id := registry.model_id_of(version)):
+        elif self.client is not None and model_id:
             logged = self.client.get_logged_model(model_id)
-            metrics = {m.key: m.value for m in logged.metrics or []}
+            metrics = {
+                m.key: m.value for m in logged.metrics or [] if m.key.startswith(names.PUBLISH)
+            }
+            publish_run_id = logged.params.get(logged_models.PUBLISH_RUN_PARAM)
+            if GATE_TAG in logged.tags:
+                decision = GateDecision.from_json(logged.tags[GATE_TAG]).to_dict()
         return PublishResult(
             registered_model=name,
             version=str(version.version),
@@ -300,12 +358,14 @@ class Publication:
             job_id=self.job_id,
             anchor_key=self.ref.key,
             already_published=already,
-            promoted=tags.get("promoted") == "true",
+            promoted=tags.get(registry.PROMOTED_TAG) == "true",
             aliases=sorted(version.aliases or []),
             model_uri=f"models:/{name}/{version.version}",
-            publish_run_id=tags.get("publish_run_id"),
+            publish_run_id=publish_run_id or tags.get(logged_models.PUBLISH_RUN_PARAM),
             metrics=metrics,
             seconds=dict(self.seconds),
+            model_id=model_id,
+            gate=decision,
         )
 
     def close(self) -> None:
@@ -316,6 +376,10 @@ class Publication:
 
 def _finite(value: float) -> bool:
     return value == value and abs(value) != float("inf")
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
 
 
 def worker_config() -> JobConfig:

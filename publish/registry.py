@@ -1,9 +1,15 @@
 """MLflow Model Registry: one version per anchor, aliases ``candidate`` and ``champion``.
 
-A version is registered from the publish run's LoggedModel (``mlflow.register_model`` of
-``models:/<model_id>``), so MLflow sets the lineage itself: the version's source run is the
-run that logged the model (the publish run, nested under the training run), and the model
-lists its versions (tag ``mlflow.modelVersions``).
+A version is registered from the anchor's LoggedModel (``mlflow.register_model`` of
+``models:/<model_id>``: the checkpoint's model on the training run, made by
+infra/tracking/logged_models.py), so MLflow sets the lineage itself: the version's source run
+is the model's source run (the training run), and the model lists its versions (tag
+``mlflow.modelVersions``): the training run's page shows its model and its version.
+
+A version carries five tags (``VERSION_TAGS``): ``anchor_key``, ``publish_status``,
+``promoted``, ``job_id``, ``step``. What else identifies the anchor (its URI, manifest checksum,
+world size, the training and publish runs) is in the LoggedModel's params, the gate's decision
+in its tag ``ett.gate``; the description's first line says the decision.
 
 Idempotency: every version carries ``anchor_key`` (anchor URI + manifest checksum). A
 publish first searches for it; a version whose ``publish_status`` is ``complete`` means the
@@ -17,7 +23,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import mlflow
@@ -30,6 +35,9 @@ log = logging.getLogger(__name__)
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 KEY_TAG, STATUS_TAG, COMPLETE = "anchor_key", "publish_status", "complete"
+PROMOTED_TAG, JOB_TAG, STEP_TAG = "promoted", "job_id", "step"
+VERSION_TAGS = (KEY_TAG, STATUS_TAG, PROMOTED_TAG, JOB_TAG, STEP_TAG)
+ANCHOR_PARAM = "anchor_uri"  # on the version's LoggedModel (older versions: a version tag)
 READY_TIMEOUT_S = 300  # a new version's registration (copying the model) must finish by then
 
 
@@ -38,6 +46,7 @@ class ChampionScore:
     version: str | None  # None: there is no champion yet
     auc: float | None
     error: str | None = None
+    logloss: float | None = None
 
 
 def model_id_of(version: ModelVersion) -> str | None:
@@ -92,17 +101,19 @@ def champion(client: MlflowClient, name: str) -> ModelVersion | None:
 
 
 def score_champion(client: MlflowClient, name: str, scorer: Any) -> ChampionScore:
-    """Re-evaluate the current champion with ``scorer(model_uri) -> auc`` (on the holdout
-    rows the new model was validated on); an unscorable champion is reported, not raised."""
+    """Re-evaluate the current champion with ``scorer(model_uri) -> (auc, logloss)`` (on the
+    holdout rows the new model was validated on); an unscorable champion is reported, not
+    raised."""
     current = champion(client, name)
     if current is None:
         return ChampionScore(None, None)
     try:
-        auc = float(scorer(f"models:/{name}@{CHAMPION}"))
+        auc, logloss = scorer(f"models:/{name}@{CHAMPION}")
     except Exception as exc:  # noqa: BLE001 - another schema, missing artifacts, ...
         log.warning("could not re-evaluate champion %s v%s: %s", name, current.version, exc)
-        return ChampionScore(current.version, None, f"{type(exc).__name__}: {exc}"[:500])
-    return ChampionScore(current.version, auc)
+        first = (str(exc).splitlines() or [""])[0]
+        return ChampionScore(current.version, None, f"{type(exc).__name__}: {first}"[:300])
+    return ChampionScore(current.version, float(auc), logloss=float(logloss))
 
 
 def should_promote(auc: float, champ: ChampionScore, margin: float) -> bool:
@@ -123,22 +134,19 @@ def register(
     description: str,
 ) -> tuple[ModelVersion, bool]:
     """Create (or complete) the version for this anchor, set aliases, mark it complete.
+    ``tags``: ``job_id`` and ``step`` (the version's other tags are set here).
 
     Returns (version, created): ``created`` is False when the anchor was published already.
     """
+    extra = set(tags) - {JOB_TAG, STEP_TAG}
+    if extra:
+        raise ValueError(f"a version carries only {VERSION_TAGS}: not {sorted(extra)}")
     ensure_registered_model(client, name)
     existing = versions_for_key(client, name, key)
     done = next((v for v in existing if v.tags.get(STATUS_TAG) == COMPLETE), None)
     if done is not None:
         return done, False
-    stamp = datetime.now(UTC)
-    all_tags = {
-        **tags,
-        KEY_TAG: key,
-        "published_at": stamp.isoformat(timespec="seconds"),
-        "published_at_unix": f"{stamp.timestamp():.3f}",
-        "promoted": str(promote).lower(),
-    }
+    all_tags = {**tags, KEY_TAG: key, PROMOTED_TAG: str(promote).lower()}
     if existing:
         version = existing[0]
         log.info("completing %s version %s left by an interrupted publish", name, version.version)
@@ -155,3 +163,20 @@ def register(
         client.set_registered_model_alias(name, CHAMPION, version.version)
     client.set_model_version_tag(name, version.version, STATUS_TAG, COMPLETE)
     return client.get_model_version(name, version.version), True
+
+
+def anchor_uri_of(client: MlflowClient, version: ModelVersion) -> str | None:
+    """The anchor checkpoint a version was published from: its LoggedModel's ``anchor_uri``
+    param (a version published before those existed: its ``anchor_uri`` tag); None if
+    neither says."""
+    model_id = model_id_of(version)
+    if model_id:
+        try:
+            uri = client.get_logged_model(model_id).params.get(ANCHOR_PARAM)
+        except MlflowException as exc:
+            if exc.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                raise
+            uri = None
+        if uri:
+            return uri
+    return (version.tags or {}).get(ANCHOR_PARAM) or None

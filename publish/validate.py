@@ -9,8 +9,8 @@ a champion is re-scored on exactly the rows its challenger saw):
   ``calibration_ratio`` of the observed CTR, optional AUC floor;
 - quality: holdout AUC and log-loss (recorded; compared with the champion at registration).
 
-The numbers are logged as ``publish.*`` (``Validation.metrics``) on the exported model with
-the dataset ``holdout[:rows]``: the trainer's own ``trainer.holdout_auc`` is on
+The numbers are logged as ``publish/*`` (``Validation.metrics``, rounded as shown) on the
+exported model with the dataset ``holdout[:rows]``: the trainer's own ``eval/auc`` is on
 ``train.eval_rows`` rows of the same split, so the two differ by sampling noise.
 
 This is the project's own gate rather than ``mlflow.models.evaluate`` +
@@ -29,6 +29,7 @@ import torch
 from mlflow.data.meta_dataset import MetaDataset
 
 from infra.settings import JobConfig
+from infra.tracking import metrics as names
 from infra.tracking.run_metadata import holdout_dataset
 from publish import serving
 from publish.settings import PublishError, PublishSettings
@@ -36,8 +37,8 @@ from trainer.data.batch import Batch
 from trainer.data.sequential import holdout_batches
 from trainer.holdout_metrics import auc_and_logloss, predict
 
-METRIC_PREFIX = "publish."
 _NAMES = {"rows": "holdout_rows", "auc": "holdout_auc", "logloss": "holdout_logloss"}
+_COUNTS = ("rows", "nonfinite_predictions")
 
 
 @dataclass
@@ -67,8 +68,18 @@ class Validation:
     nonfinite_predictions: int
 
     def metrics(self) -> dict[str, float]:
-        """The numbers as logged: ``publish.holdout_auc``, ``publish.parity_max_abs_diff``..."""
-        return {f"{METRIC_PREFIX}{_NAMES.get(k, k)}": float(v) for k, v in asdict(self).items()}
+        """The numbers as logged and shown: ``publish/holdout_auc`` (five significant
+        digits), ``publish/parity_max_abs_diff`` (three), ``publish/holdout_rows``..."""
+        out = {}
+        for k, v in asdict(self).items():
+            if k in _COUNTS:
+                value = float(v)
+            elif k == "parity_max_abs_diff" and math.isfinite(v):
+                value = float(f"{v:.3g}")
+            else:
+                value = names.score(v)
+            out[f"{names.PUBLISH}{_NAMES.get(k, k)}"] = value
+        return out
 
 
 def load_holdout(config: JobConfig, settings: PublishSettings) -> Holdout:
@@ -83,8 +94,10 @@ def load_holdout(config: JobConfig, settings: PublishSettings) -> Holdout:
     return Holdout(batches, frame, torch.cat([b.labels for b in batches]), config.data.url)
 
 
-def auc_of(probs: np.ndarray, labels: torch.Tensor) -> float:
-    return auc_and_logloss(torch.tensor(probs, dtype=torch.float32), labels)["auc"]
+def auc_and_logloss_of(probs: np.ndarray, labels: torch.Tensor) -> tuple[float, float]:
+    """AUC and log-loss of predicted probabilities (a champion re-scored on the gate's rows)."""
+    quality = auc_and_logloss(torch.tensor(probs, dtype=torch.float32), labels)
+    return quality["auc"], quality["logloss"]
 
 
 def pyfunc_predictions(model_uri: str, frame: pd.DataFrame) -> np.ndarray:

@@ -15,6 +15,7 @@ Prefect UI has a link type), so the descriptions here say "Link to ...".
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 from urllib.parse import quote
 from uuid import UUID
@@ -25,6 +26,7 @@ from prefect.cache_policies import NO_CACHE
 
 from infra.accounting.summary import JobSummary
 from infra.tracking.run_metadata import redact_url
+from publish.gate import GateDecision
 from tasks.logs import logger
 from tasks.report import artifact_key, stable_key
 
@@ -209,61 +211,7 @@ def link_runs(train_flow_run_id: str | None) -> None:
 
 
 # -- the publish gate as a table -----------------------------------------------------------
-GATE_KEYS = (
-    "candidate_auc",
-    "candidate_logloss",
-    "champion_version",
-    "champion_auc",
-    "champion_logloss",
-    "margin",
-    "parity_max_abs_diff",
-    "parity_tolerance",
-    "promoted",
-    "reason",
-)
-
-
-def gate_of(result: dict[str, Any], pub: Any) -> dict[str, Any] | None:
-    """The gate's decision as a dict of GATE_KEYS, None for an anchor published before.
-
-    TO BE REPLACED AT MERGE by ``result["gate"]`` (publish/gate.py's
-    ``GateDecision.to_dict()``, in PublishResult.gate from the "mlflow" branch): until then
-    this adapter rebuilds the same dict from what PublishResult and the Publication hold
-    today. The champion's log-loss is not scored here (None)."""
-    if "gate" in result:
-        return result["gate"]
-    if result["already_published"] or pub.validation is None:
-        return None
-    try:
-        version = pub.client.get_model_version(result["registered_model"], result["version"])
-        tags = version.tags or {}
-    except Exception as exc:  # noqa: BLE001 - the table says so rather than fail the publish
-        logger().warning("could not read the version's champion tags: %s", exc)
-        tags = {}
-    champion_version = tags.get("champion_version_at_publish")
-    auc, champion_auc = pub.validation.auc, result.get("champion_auc")
-    margin = pub.settings.champion_margin
-    versus = f"AUC {auc:.4f} vs {champion_auc or float('nan'):.4f} (champion v{champion_version})"
-    if champion_version is None:
-        reason = "promoted to champion: first version"
-    elif result["promoted"]:
-        reason = f"promoted to champion: {versus}"
-    elif champion_auc is None:
-        reason = f"kept as candidate: champion v{champion_version} could not be re-scored"
-    else:
-        reason = f"kept as candidate: {versus}, below the champion - margin {margin:g}"
-    return {
-        "candidate_auc": auc,
-        "candidate_logloss": pub.validation.logloss,
-        "champion_version": champion_version,
-        "champion_auc": champion_auc,
-        "champion_logloss": None,
-        "margin": margin,
-        "parity_max_abs_diff": pub.validation.parity_max_abs_diff,
-        "parity_tolerance": pub.settings.parity_tolerance,
-        "promoted": bool(result["promoted"]),
-        "reason": reason,
-    }
+GATE_KEYS = tuple(f.name for f in fields(GateDecision))  # PublishResult.gate's keys
 
 
 def _num(value: Any, digits: int = 4) -> float | None:

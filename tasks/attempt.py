@@ -286,8 +286,15 @@ class AttemptReport:
         return self.outcome.fatal
 
     def describe(self) -> str:
+        return f"attempt {self.attempt}: {self._how()}"
+
+    def reason(self) -> str:
+        """Why a failed attempt ended, in one line: its task run's state message."""
+        return f"attempt {self.attempt} failed: {self._how()}"
+
+    def _how(self) -> str:
         where = f" at step {self.last_step}" if self.last_step is not None else " before step 1"
-        return f"attempt {self.attempt}: {self.outcome}{where} ({name_of(self.exit_code)})"
+        return f"{self.outcome}{where} ({name_of(self.exit_code)})"
 
 
 @dataclass(frozen=True)

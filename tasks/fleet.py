@@ -16,6 +16,7 @@ from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from infra.tracking import metrics as names
 from infra.tracking.mlflow_runs import log_fleet_report
 from infra.whatif import fleet, fleet_report
 from tasks.artifacts import mlflow_run_url
@@ -35,8 +36,9 @@ def _log_to_mlflow(summary: fleet.FleetSummary, tracking_uri: str) -> tuple[str,
     if not summary.jobs:
         return None
     totals = summary.stats["totals"]
-    metrics = {f"fleet.{key}": float(totals[key]) for key in ("jobs", "fleet_ett_pct", "failures")}
-    metrics["fleet.regressions"] = float(len(summary.regressions))
+    metrics = {f"{names.FLEET}{key}": float(totals[key]) for key in ("jobs", "failures")}
+    metrics[f"{names.FLEET}ett_pct"] = names.percent(totals["fleet_ett_pct"])
+    metrics[f"{names.FLEET}regressions"] = float(len(summary.regressions))
     with tempfile.TemporaryDirectory(prefix="ett-fleet-") as tmp:
         files = fleet_report.write_files(summary, tmp)
         run_id = log_fleet_report(tracking_uri, summary.experiment, files, metrics)

@@ -17,14 +17,16 @@ from typing import Any
 
 from infra import processes
 from infra.control import ControlDir, JobState, Progress
+from infra.log_lines import LineLevels
 from tasks.agent_pool import PooledLauncher, claim
 
 Log = logging.Logger | logging.LoggerAdapter[logging.Logger]
 
 
 class OutputPump:
-    """Reads an agent's output on a thread and logs it; the sink can be switched (a standby's
-    lines belong to the run that promotes it)."""
+    """Reads an agent's output on a thread and logs it, each line at the level it was written
+    at (infra/log_lines.py); the sink can be switched (a standby's lines belong to the run that
+    promotes it)."""
 
     def __init__(self, stream: Any, log: Log, prefix: str) -> None:
         self.log, self.prefix = log, prefix
@@ -32,10 +34,12 @@ class OutputPump:
         self.thread.start()
 
     def _run(self, stream: Any) -> None:
+        levels = LineLevels()  # each line at its own level, without the child's timestamp
         for line in stream:
             text = line.rstrip()
             if text:
-                self.log.info("%s%s", self.prefix, text)
+                level, message = levels(text)
+                self.log.log(level, "%s%s", self.prefix, message)
 
 
 class LocalNode:

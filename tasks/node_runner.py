@@ -13,7 +13,8 @@ launch and, on the node holding global rank 0, the training's progress.
 It never outlives its job: it exits when released, when its orchestrator's heartbeat goes
 silent for ``recovery.node_timeout_s``, and when it is cancelled or killed: its ranks
 watch its control pipes (infra/control.py), so even a SIGKILL of the node run ends them.
-Everything local lives in its scratch folder (``ETT_SCRATCH_DIR``), removed at the end.
+Everything local lives in its scratch folder (``ETT_SCRATCH_DIR``), removed at the end, as
+are the job's in-memory checkpoint copies on this host (infra/memory_tier.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import threading
 import time
 from typing import Any
 
-from infra import processes, storage
+from infra import memory_tier, processes, storage
 from infra.accounting import clocks
 from infra.accounting.ledger import recover_orphaned_spools
 from infra.clock_sync import measure_offset
@@ -113,6 +114,7 @@ class NodeRunner:
                 self._status(force=True)
             self._close_pool()
             shutil.rmtree(self.scratch, ignore_errors=True)
+            memory_tier.remove_segments(self.layout)  # this host's in-memory copies of the job
         return self._exit_code or 0
 
     def stop(self) -> None:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from infra import storage
+from infra import memory_tier, storage
 from infra.accounting import clocks
 from infra.accounting.ledger import Ledger, next_attempt, recover_orphaned_spools
 from infra.accounting.ledger_format import Mark, Span
@@ -238,7 +238,8 @@ class Orchestrator:
 
     def _cleanup(self) -> None:
         """Standby released, the running attempt ended, the evaluator stopped, the lease
-        released and the ranks' config removed, whatever fails on the way."""
+        released, the ranks' config and the job's in-memory copies removed, whatever fails
+        on the way."""
         try:
             self.release_standby()
             if self._current is not None:
@@ -254,6 +255,10 @@ class Orchestrator:
                 self._lease.release()
             if self._folder is not None:
                 shutil.rmtree(self._folder, ignore_errors=True)
+            # The job's in-memory checkpoint copies on this host: its attempts are over. A
+            # SIGKILLed orchestrator's are the job's state still: its next run may restore
+            # from them, and removes them when it ends.
+            memory_tier.remove_segments(self.layout)
 
     # -- one attempt ------------------------------------------------------------------------
     def watch(self, attempt: AttemptProcess) -> AttemptReport:

@@ -26,6 +26,7 @@ from prefect.states import Failed, State
 
 from infra import processes, storage
 from infra.control import Phase, Progress
+from infra.log_lines import LineLevels
 from infra.naming import attempt_run_name
 from infra.settings import JobConfig
 from tasks.artifacts import show_job
@@ -39,7 +40,7 @@ class AttemptFailed(RuntimeError):
     """Raised by the attempt task so the Prefect UI shows the attempt failed; carries the report."""
 
     def __init__(self, report: AttemptReport) -> None:
-        super().__init__(report.describe())
+        super().__init__(report.reason())
         self.report = report
 
 
@@ -65,7 +66,7 @@ def watch_attempt(job: Orchestrator, attempt: AttemptProcess) -> AttemptReport |
         pump.log = job.log
     report = job.watch(attempt)
     if report.failed:
-        return Failed(message=report.describe(), data=AttemptFailed(report))
+        return Failed(message=report.reason(), data=AttemptFailed(report))
     return report
 
 
@@ -138,11 +139,7 @@ class FlowObserver(JobObserver):
             update_progress_artifact(artifact_id=self._progress_id, progress=100.0)
         if summary is None:
             return
-        extra = {
-            "ett.num_preemptions": float(outcome.preemptions),
-            "ett.max_failures": float(self.config.recovery.max_failures),
-        }
-        self.report = report_job(self.config, summary, self.run_id, extra, outcome.succeeded)
+        self.report = report_job(self.config, summary, self.run_id, None, outcome.succeeded)
         show_job(summary, self.run_id, self.config.tracking.mlflow_uri)
 
 
@@ -157,8 +154,10 @@ def ensure_data(config_path: str, data_url: str) -> bool:
     cmd = [sys.executable, "-m", "flows.cli", "generate", "--config", config_path]
     env = {**os.environ, "PYTHONPATH": processes.repo_pythonpath(os.environ.get("PYTHONPATH"))}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    levels = LineLevels()  # each line at its own level, without the child's timestamp
     for line in (proc.stdout + proc.stderr).splitlines():
-        log.info("%s", line)
+        level, text = levels(line)
+        log.log(level, "%s", text)
     complete = storage.exists(storage.join(data_url, "_meta.json"))  # written last
     if proc.returncode != 0 and not complete:
         raise RuntimeError(f"`ett generate` failed with exit code {proc.returncode}")

@@ -3,8 +3,10 @@ ports, started once per session by tests/servers.py and stopped at the end."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
+from collections.abc import Iterator
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
@@ -15,6 +17,7 @@ os.environ.setdefault("PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS"
 
 import pytest  # noqa: E402
 
+from infra import memory_tier  # noqa: E402
 from tests.factories import tiny_config, write_dataset  # noqa: E402
 from tests.servers import (  # noqa: E402,F401
     STACK_FIXTURES,
@@ -38,6 +41,27 @@ LONGEST = (
     "tests/tasks/test_node_fleet.py",
     "tests/tasks/test_agent_pool.py",
 )
+
+
+@pytest.fixture(autouse=True)
+def no_memory_tier_left(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Fails a test that leaves an in-memory checkpoint segment of its jobs in /dev/shm
+    (and removes it). A segment is the test's if it appeared meanwhile and its job lives
+    under this worker's temp folder (or on object storage); torn ones are given a second
+    to be completed by a writer still at work."""
+    before = set(memory_tier.job_segments_all())
+    yield
+    base, left = str(tmp_path_factory.getbasetemp()), []
+    for path in sorted(set(memory_tier.job_segments_all()) - before):
+        try:
+            url = memory_tier.job_url_of(path, wait_s=1.0)
+        except FileNotFoundError:  # removed meanwhile, by whoever owned it
+            continue
+        if url is None or base in url or not url.startswith("file://"):
+            left.append(os.path.basename(path))
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    assert not left, f"in-memory checkpoint segments left in /dev/shm: {left}"
 
 
 @pytest.fixture(scope="session")

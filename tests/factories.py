@@ -34,7 +34,14 @@ def tiny_config(tmp_path: Path, **sections: Any) -> JobConfig:
         # trainer process (~50 s); tests/trainer/test_startup.py and test_compile_cache.py
         # cover the compiled default.
         "train": {"steps": 20, "eval_every": 0, "eval_rows": 512, "log_every": 5, "compile": False},
-        "checkpoint": {"mode": "async_staged", "every_steps": 5, "keep_latest_k": 3},
+        # No in-memory tier unless a test turns it on: restores come from the durable
+        # checkpoints the tests count on (tests/trainer/checkpoint/test_memory_tier.py).
+        "checkpoint": {
+            "mode": "async_staged",
+            "every_steps": 5,
+            "keep_latest_k": 3,
+            "memory_tier": False,
+        },
         "tracking": {"mlflow_uri": f"sqlite:///{tmp_path}/mlflow.db"},
     }
     for key, value in sections.items():

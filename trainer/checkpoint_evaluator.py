@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from infra import storage
+from infra import log_lines, storage
 from infra.accounting.ledger import Ledger
 from infra.accounting.ledger_format import Span, parse_lines
 from infra.checkpoint_manifest import CheckpointError, CommittedCheckpoint, committed_checkpoints
@@ -354,12 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         help=f"priority decrease, so training keeps the cores (default {DEFAULT_NICE})",
     )
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s [evaluator] %(name)s: %(message)s",
-        stream=sys.stdout,
-        force=True,  # an imported library may have configured logging already
-    )
+    # Tagged by the orchestrator's pump ("[evaluator] "); rank 0 shows the job's noise once.
+    log_lines.configure("", first_of_job=False)
     if args.poll_s <= 0 or args.nice < 0:
         print(
             f"--poll-s must be positive and --nice not negative, got {args.poll_s} and {args.nice}",

@@ -27,6 +27,7 @@ class InjectedCrash(RuntimeError):
 CHECKPOINT_PHASES = {
     "sigkill_mid_upload": CheckpointPhase.WRITTEN,
     "sigkill_before_manifest": CheckpointPhase.BEFORE_MANIFEST,
+    "sigkill_mid_memory_copy": CheckpointPhase.MEMORY_MIDWAY,
 }
 
 

@@ -365,7 +365,7 @@ class Initializer:
         state.watcher = compiled.RecompileWatcher(self.ledger).install()
         if state.cache is not None:
             state.load = state.cache.load()
-            attrs.update(state.load.attrs("cache"), cache_key=state.cache.key)
+            attrs.update(state.load.attrs("cache"), cache_key=state.cache.key, cache_url=root)
         else:
             attrs["cache_status"] = "off"
 

@@ -37,7 +37,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from infra import agent_protocol
+from infra import agent_protocol, log_lines
 from infra.exit_codes import ExitCode, name_of
 from infra.processes import die_with_parent
 
@@ -224,7 +224,7 @@ def park(fd: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format=log_lines.line_format("launcher"))
     # The agent's own report of a failed rank is a traceback of torch.distributed internals
     # that says nothing about the job: one line above names the rank and its exit code.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)

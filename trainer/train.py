@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from infra import storage
+from infra import log_lines, storage
 from infra.accounting.ledger import Ledger, next_attempt, recover_orphaned_spools
 from infra.accounting.ledger_format import Mark, Span
 from infra.checkpoint_manifest import CheckpointError
@@ -38,7 +37,6 @@ from infra.control import ENV_ATTEMPT, ENV_STANDBY, JobState, Phase, RankControl
 from infra.exit_codes import ExitCode
 from infra.job_layout import JobLayout
 from infra.lease import JobLocked, trainer_lease
-from infra.library_logs import quiet_library_dumps
 from infra.processes import die_with_parent
 from infra.settings import ConsensusMode, EvalMode, JobConfig, load_config, load_resolved
 from trainer.checkpoint.interval import FailureHistory
@@ -137,13 +135,7 @@ def parse(argv: list[str] | None) -> JobConfig:
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
     parser.add_argument("--config", help="job config (YAML/TOML); embedded defaults if omitted")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s [rank{os.environ.get('RANK', '0')}] %(name)s: %(message)s",
-        stream=sys.stdout,
-        force=True,  # an imported library may have configured logging already
-    )
-    quiet_library_dumps()  # TorchRec's planner report, FBGEMM's table dumps: DEBUG
+    log_lines.configure_rank()  # levels the orchestrator keeps; library noise at DEBUG
     # The launcher resolved the config (parameters > ETT_* > file): it is final here.
     return load_resolved(args.config) if args.config else load_config()
 
@@ -245,7 +237,11 @@ def train(
     step = finished = parts.start_step  # finished: the last step that ran to its end
     try:
         while step < total:
-            agreed = consensus.exchange(preemption.requested, checkpointer.due_by_clock(step))
+            agreed = consensus.exchange(
+                preemption.requested,
+                checkpointer.due_by_clock(step),
+                checkpointer.copy_due_by_clock(step),
+            )
             checkpointer.maybe_save(step, agreed)
             if agreed.preempt:  # every rank stops here and saves, within the budget
                 saved = checkpointer.emergency_save(step)
@@ -285,6 +281,8 @@ def train(
         return _shutdown(config, parts, ledger, stats, step)
     finally:
         checkpointer.close()
+        if control is None:  # no orchestrator: nobody relaunches this job, nor cleans up
+            checkpointer.drop_memory_tier()
         report(Phase.DONE, finished, total, restarter.restarts)  # never the step that failed
 
 
@@ -323,6 +321,7 @@ def _shutdown(
         )
         return ExitCode.ANCHOR_NOT_SAVED
     ledger.mark(Mark.JOB_END, step=step)
+    checkpointer.drop_memory_tier()  # the anchor is committed: no restore needs the copies
     return ExitCode.SUCCESS
 
 

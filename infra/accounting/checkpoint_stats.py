@@ -12,7 +12,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-from infra.accounting.ledger_format import Event, Mark, Span
+from infra.accounting.ledger_format import CheckpointTier, Event, Mark, Span
 
 
 def median_or_none(xs: list[float]) -> float | None:
@@ -31,6 +31,9 @@ class CheckpointStats:
     interval_steps: float | None
     commit_latency_s: float | None
     interval_reason: str | None  # why the checkpointer chose its interval
+    memory_copies: int = 0  # in-memory copies written
+    memory_blocking_s: float = 0.0  # the loop's blocking for them (``memory_copy_blocking``)
+    memory_interval_s: float | None = None  # the in-memory tier's last interval chosen
 
 
 def checkpoint_stats(job: list[Event], loop_s: float, interval_s: float | None) -> CheckpointStats:
@@ -61,7 +64,12 @@ def checkpoint_stats(job: list[Event], loop_s: float, interval_s: float | None) 
     latency = [
         e.start - blocks[(e.attempt, e.step)] for e in commits if (e.attempt, e.step) in blocks
     ]
-    reasons = [e for e in job if e.name == Mark.CHECKPOINT_INTERVAL]
+    marks = [e for e in job if e.name == Mark.CHECKPOINT_INTERVAL]
+    reasons = [
+        e for e in marks if e.attrs.get("tier", CheckpointTier.DURABLE) == CheckpointTier.DURABLE
+    ]
+    memory = [e for e in marks if e.attrs.get("tier") == CheckpointTier.MEMORY]
+    memory_interval = memory[-1].attrs.get("interval_s") if memory else None
     return CheckpointStats(
         blocking_total_s=blocking_total,
         blocking_mean_s=blocking_total / len(ckpts) if ckpts else None,
@@ -70,4 +78,7 @@ def checkpoint_stats(job: list[Event], loop_s: float, interval_s: float | None) 
         interval_steps=median_or_none(gaps_steps),
         commit_latency_s=median_or_none(latency),
         interval_reason=str(reasons[-1].attrs.get("reason")) if reasons else None,
+        memory_copies=sum(1 for e in job if e.name == Mark.MEMORY_COPY and "seq" in e.attrs),
+        memory_blocking_s=math.fsum(e.duration for e in job if e.name == Span.MEMORY_COPY_BLOCKING),
+        memory_interval_s=None if memory_interval is None else float(memory_interval),
     )

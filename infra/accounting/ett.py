@@ -75,6 +75,7 @@ from infra.accounting.clocks import ClockCheck
 from infra.accounting.ledger_format import (
     INIT_SPANS,
     PUBLISH_SPANS,
+    CheckpointTier,
     Event,
     Mark,
     ResumeHow,
@@ -104,6 +105,7 @@ STARTUP_STAGES = (Span.SCHEDULING, Span.LAUNCHER_INIT, *INIT_SPANS)
 # Spans that are a bucket of their own, wherever they lie.
 SPAN_BUCKETS = {
     Span.CHECKPOINT_BLOCKING: Bucket.CHECKPOINT_BLOCKING,
+    Span.MEMORY_COPY_BLOCKING: Bucket.CHECKPOINT_BLOCKING,
     Span.EVAL: Bucket.EVAL,
     Span.SHUTDOWN: Bucket.SHUTDOWN,
 }
@@ -255,6 +257,7 @@ def _resumes(job: list[Event], t0: float) -> list[ResumeRecord]:
             for s in e.attrs.get("skipped") or ()
         )
         newest = e.attrs.get("newest_step")
+        tier = e.attrs.get("tier")
         out.append(
             ResumeRecord(
                 attempt=e.attempt,
@@ -264,6 +267,9 @@ def _resumes(job: list[Event], t0: float) -> list[ResumeRecord]:
                 url=str(e.attrs.get("url", "")),
                 newest_step=None if newest is None else int(newest),
                 skipped=skipped,
+                tier=CheckpointTier(tier)
+                if tier in set(CheckpointTier)
+                else CheckpointTier.DURABLE,
             )
         )
     return out
@@ -299,6 +305,21 @@ def _fallback_redone(resumes: list[ResumeRecord], wasted: list[Event], t0: float
                 counted.add(id(e))
                 total.append(e.duration)
     return math.fsum(total)
+
+
+def _redone_by_tier(
+    resumes: list[ResumeRecord], wasted: list[Event], t0: float
+) -> dict[str, float]:
+    """Each redone step execution, by the tier of the first restore after it that went back
+    past its step: how much work each tier's restores cost."""
+    out: dict[str, float] = defaultdict(float)
+    for e in wasted:
+        if e.step is None:
+            continue
+        later = [r for r in resumes if r.at >= e.start - t0 and r.step < e.step]
+        if later:
+            out[str(min(later, key=lambda r: r.at).tier)] += e.duration
+    return dict(out)
 
 
 def _in_process_failures(
@@ -383,6 +404,7 @@ def compute_report(
 
     # -- L1 and checkpoint metrics --------------------------------------------------------
     resumes = _resumes(job, t0)
+    wasted = [e for e in steps if id(e) not in kept]
     durations = [e.duration for e in steps]
     med = median_or_none(durations)
     loop = math.fsum(last_end[a] - first_step[a] for a in first_step)
@@ -437,6 +459,10 @@ def compute_report(
         ),
         resumes=tuple(resumes),
         resizes=tuple(_resizes(job, t0)),
-        fallback_redone_s=_fallback_redone(resumes, [e for e in steps if id(e) not in kept], t0),
+        fallback_redone_s=_fallback_redone(resumes, wasted, t0),
+        redone_by_tier=_redone_by_tier(resumes, wasted, t0),
+        memory_copies=ckpt.memory_copies,
+        memory_blocking_total_s=ckpt.memory_blocking_s,
+        memory_interval_s=ckpt.memory_interval_s,
         clock=clock or ClockCheck(),
     )

@@ -57,6 +57,7 @@ class Span(StrEnum):
     # the training loop
     TRAIN_STEP = "train_step"
     CHECKPOINT_BLOCKING = "checkpoint_blocking"
+    MEMORY_COPY_BLOCKING = "memory_copy_blocking"  # the loop waiting for an in-memory copy
     EVAL = "eval"
     # the side evaluator (trainer/checkpoint_evaluator.py), beside the job
     ASYNC_EVAL = "async_eval"
@@ -81,6 +82,7 @@ class Mark(StrEnum):
     RESIZE = "resize"  # ...written by another number of ranks than this attempt's: resharded
     CHECKPOINT_COMMITTED = "checkpoint_committed"
     CHECKPOINT_FAILED = "checkpoint_failed"
+    MEMORY_COPY = "memory_copy"  # an in-memory copy written (in the background): its size, time
     ANCHOR_COMMITTED = "anchor_committed"
     RECOMPILE = "recompile"
     MODEL_FLOPS = "model_flops"  # the device and dtype a step's ``flops`` attr ran on (MFU)
@@ -101,6 +103,14 @@ class ResumeHow(StrEnum):
     IN_PROCESS = "in_process"  # a living attempt, after an in-process restart
 
 
+class CheckpointTier(StrEnum):
+    """Where a copy of the training state lives: a ``resume`` mark's ``tier`` (older ledgers
+    have none: durable) and a ``checkpoint_interval`` mark's."""
+
+    DURABLE = "durable"  # committed checkpoints on the job's storage
+    MEMORY = "memory"  # this host's shared memory (trainer/checkpoint/memory_tier.py)
+
+
 JOB_SPANS = (Span.SCHEDULING, Span.LAUNCHER_INIT, Span.SHUTDOWN)
 INIT_SPANS = (
     Span.DEVICE_INIT,
@@ -112,7 +122,7 @@ INIT_SPANS = (
     Span.PRE_TRAIN,
     Span.GET_FIRST_BATCH_DATA,
 )
-LOOP_SPANS = (Span.TRAIN_STEP, Span.CHECKPOINT_BLOCKING, Span.EVAL)
+LOOP_SPANS = (Span.TRAIN_STEP, Span.CHECKPOINT_BLOCKING, Span.MEMORY_COPY_BLOCKING, Span.EVAL)
 PUBLISH_SPANS = tuple(span for span in Span if span.startswith("publish_"))  # publish/ writes
 SPAN_NAMES = frozenset(Span)
 MARK_NAMES = frozenset(Mark)

@@ -12,7 +12,7 @@ from enum import StrEnum
 from typing import Any
 
 from infra.accounting.clocks import ClockCheck
-from infra.accounting.ledger_format import ResumeHow
+from infra.accounting.ledger_format import CheckpointTier, ResumeHow
 from infra.exit_codes import Outcome
 
 
@@ -77,6 +77,7 @@ class ResumeRecord:
     url: str
     newest_step: int | None  # the newest committed checkpoint when it looked
     skipped: tuple[tuple[int, str, bool], ...] = ()  # (step, why, quarantined), newest first
+    tier: CheckpointTier = CheckpointTier.DURABLE  # where the state came from
 
     def describe(self) -> str:
         """``attempt 2 (promoted standby) resumed from step 125, newest 150 quarantined:
@@ -85,6 +86,8 @@ class ResumeRecord:
             self.how, "cold"
         )
         text = f"attempt {self.attempt} ({who}) resumed from step {self.step}"
+        if self.tier == CheckpointTier.MEMORY:
+            text += " (in-memory copy)"
         for step, why, quarantined in self.skipped:
             verb = "quarantined" if quarantined else "skipped"
             text += f", step {step} {verb}: {why}"
@@ -201,6 +204,11 @@ class EttReport:
     lost_standbys: tuple[LostStandby, ...] = ()
     resumes: tuple[ResumeRecord, ...] = ()
     fallback_redone_s: float = 0.0  # of wasted_training: redone because a fallback went back
+    # Of wasted_training, by the tier of the restore that sent the job back over those steps.
+    redone_by_tier: dict[str, float] = field(default_factory=dict)
+    memory_copies: int = 0  # in-memory copies written (checkpoint_blocking has their blocking)
+    memory_blocking_total_s: float = 0.0
+    memory_interval_s: float | None = None  # the in-memory tier's last chosen interval
     resizes: tuple[ResizeRecord, ...] = ()  # attempts that ran on another number of ranks
     clock: ClockCheck = field(default_factory=ClockCheck)
     segments: tuple[tuple[float, float, str], ...] = field(repr=False, default=())

@@ -61,6 +61,10 @@ def sections(r: EttReport, mfu: MfuReport | None = None) -> list[tables.Section]
         ["Time to Recover (total)", _s(r.time_to_recover_total_s)],
         ["Observed unsaved training", _s(r.observed_unsaved_s)],
         ["  of which redone after a checkpoint fallback", _s(r.fallback_redone_s)],
+        *[
+            [f"  of which redone after a restore from {tier}", _s(secs)]
+            for tier, secs in sorted(r.redone_by_tier.items())
+        ],
         ["Predicted unsaved (failures x interval/2)", _s(r.predicted_unsaved_s)],
         ["Checkpoint blocking (total)", _s(r.checkpoint_blocking_total_s)],
         ["Checkpoint blocking (mean)", _s(r.checkpoint_blocking_mean_s)],
@@ -68,6 +72,8 @@ def sections(r: EttReport, mfu: MfuReport | None = None) -> list[tables.Section]
         ["Checkpoints committed", str(r.num_checkpoints_committed)],
         ["Checkpoint interval", _s(r.checkpoint_interval_s)],
         ["Commit latency (upload)", _s(r.commit_latency_s)],
+        ["In-memory copies / blocking", f"{r.memory_copies} / {_s(r.memory_blocking_total_s)}"],
+        ["In-memory copy interval", _s(r.memory_interval_s)],
         ["Steps (executions)", f"{r.num_steps} ({r.num_step_executions})"],
         ["Step time median / MAD", f"{_s(r.step_time_median_s)} / {_s(r.step_time_mad_s)}"],
         ["Finished (job_end seen)", "yes" if r.finished else "no"],

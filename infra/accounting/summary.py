@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from infra.accounting.cold_start import ColdStart, cold_start
 from infra.accounting.ett import compute_report
 from infra.accounting.ledger_format import Event
 from infra.accounting.ledger_read import LedgerFile, ledger_of, read_files
@@ -38,3 +39,7 @@ class JobSummary:
         return cls(
             layout, tuple(files), tuple(read.events), report, mfu_report(read.events, report)
         )
+
+    def cold_start(self) -> ColdStart | None:
+        """A first attempt whose cold compile was most of Time to Start (cold_start.py)."""
+        return cold_start(self.events, self.report.time_to_start_s, self.layout.compile_cache)

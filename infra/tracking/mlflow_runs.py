@@ -1,5 +1,6 @@
-"""MLflow tracking of a job: one run per job (ETT accounting and training curves), one nested
-run per attempt, a fleet run per experiment for the fleet report.
+"""MLflow tracking of a job: one run per job (ETT headline and training curves), one nested
+run per attempt, its anchor checkpoints as LoggedModels, a fleet run per experiment for the fleet
+report.
 
     run_id = start_job_run(config)              # at job start; a re-run job gets its run back
     log_attempt(run_id, attempt_report, tracking_uri=config.tracking.mlflow_uri)
@@ -9,7 +10,8 @@ Everything a job's run holds is derived from the job's ledger, so ``log_job`` ca
 whole, later: a job that ran while MLflow was down is logged at the end of its flow or with
 ``ett report --log JOB``. The client and its bounds are infra/tracking/client.py's, what may be
 logged (params without credentials, source tags) infra/tracking/run_metadata.py's, the metric names
-infra/tracking/metrics.py's. Tags are ``ett.*`` plus MLflow's own (source, git commit, description).
+infra/tracking/metrics.py's, the checkpoint models infra/tracking/logged_models.py's. Tags are
+``ett.*`` plus MLflow's own (source, git commit, description).
 """
 
 from __future__ import annotations
@@ -36,8 +38,16 @@ from infra.accounting.summary import JobSummary
 from infra.exit_codes import Outcome
 from infra.naming import attempt_run_name
 from infra.settings import JobConfig
+from infra.tracking import logged_models
+from infra.tracking import metrics as names
 from infra.tracking.client import client, ensure_experiment
-from infra.tracking.metrics import eval_rows, history_metrics, report_metrics, training_curves
+from infra.tracking.metrics import (
+    bucket_table,
+    eval_rows,
+    headline_metrics,
+    history_metrics,
+    training_curves,
+)
 from infra.tracking.run_metadata import holdout_dataset, job_params, redact_url, source_tags
 
 log = logging.getLogger(__name__)
@@ -105,15 +115,17 @@ def find_job_run(ml: MlflowClient, experiment_id: str, job_id: str) -> Any | Non
 def _job_description(config: JobConfig) -> str:
     return (
         f"Training job `{config.job_id}` ({redact_url(config.layout.url)}).\n\n"
-        "- `trainer.loss`: training loss per step (rank 0; a step redone after a failure "
-        "shows its last run).\n"
-        "- `trainer.holdout_auc`, `trainer.holdout_logloss`: the trainer's own evaluation every "
+        f"- `{names.TRAIN_LOSS}`: training loss per step (rank 0; a step redone after a "
+        "failure shows its last run).\n"
+        f"- `{names.EVAL_AUC}`, `{names.EVAL_LOGLOSS}`: the trainer's own evaluation every "
         f"{config.train.eval_every} steps on the first {config.train.eval_rows} holdout rows "
         f"(dataset `holdout[:{config.train.eval_rows}]`). The publish gate's "
-        "`publish.holdout_*` on the model version are on fewer rows of the same split, so they "
+        "`publish/holdout_*` on the model are on fewer rows of the same split, so they "
         "differ by sampling noise.\n"
-        "- `ett.*`: Effective Training Time; the breakdown is under Artifacts, `ett/`.\n"
-        "- Attempts are nested runs; publish runs are nested here too."
+        f"- `{names.WALL_TIME}*`: the Effective Training Time headline; every bucket is the table "
+        f"`{names.BUCKET_TABLE}` (Artifacts), with the full report beside it.\n"
+        "- Logged models: the anchor checkpoints, at their step; attempts and publish runs are "
+        "nested runs."
     )
 
 
@@ -205,9 +217,10 @@ def log_attempt(run_id: str, attempt: AttemptLike, *, tracking_uri: str | None =
             run_name=attempt_run_name(job_id, attempt.attempt),
         ).info.run_id
     at = int(attempt.ended * 1000)
-    metrics = [Metric("duration_s", attempt.ended - attempt.started, at, 0)]
+    duration = names.seconds(attempt.ended - attempt.started)
+    metrics = [Metric(names.ATTEMPT_DURATION_S, duration, at, 0)]
     if attempt.last_step is not None:
-        metrics.append(Metric("last_step", float(attempt.last_step), at, 0))
+        metrics.append(Metric(names.ATTEMPT_LAST_STEP, float(attempt.last_step), at, 0))
     ml.log_batch(child_id, metrics=metrics, tags=[RunTag(k, v) for k, v in tags.items()])
     ml.set_terminated(child_id, status=_attempt_status(attempt.outcome), end_time=at)
     _run_uris[child_id] = uri
@@ -260,20 +273,23 @@ def log_job_report(
     data_url: str | None = None,
     status: str | None = "FINISHED",
 ) -> dict[str, float]:
-    """Log the job's ETT metrics, its training curves and artifacts to its run, then end it
-    with ``status`` (None: leave it running). Returns the scalar metrics.
+    """Log the job's ETT headline, its training curves, its anchor checkpoints (LoggedModels)
+    and artifacts to its run, then end it with ``status`` (None: leave it running). Returns
+    the headline metrics.
 
-    Artifacts: ``ett/report.json``, ``ett/report.txt`` (table), ``ett/report.md``,
-    ``ett/breakdown.png`` and every ledger file of the job under ``ledger/``. ``data_url``
-    names the holdout the trainer evaluated on (logged as the run's eval dataset).
+    Artifacts: ``ett/buckets.json`` (every bucket, one table), ``ett/report.json``,
+    ``ett/report.txt`` (table), ``ett/report.md``, ``ett/breakdown.png`` and every ledger file
+    of the job under ``ledger/``. ``data_url`` names the holdout the trainer evaluated on
+    (logged as the run's eval dataset, and the dataset of the models' ``eval/*``).
     """
     ml = client(_resolve_uri(run_id, tracking_uri))
     report, events = summary.report, summary.events
     at = int(time.time() * 1000)
-    scalars = report_metrics(report)
+    scalars = headline_metrics(report)
     scalars.update({k: float(v) for k, v in (extra_metrics or {}).items()})
+    curves = training_curves(events)
     metrics = [Metric(k, v, at, 0) for k, v in scalars.items()]
-    metrics += history_metrics(report, at) + training_curves(events)
+    metrics += history_metrics(report, at) + curves
     tags = {
         JOB_URL_TAG: redact_url(summary.layout.url),
         "ett.finished": str(report.finished).lower(),
@@ -285,19 +301,28 @@ def log_job_report(
         tags["ett.ledger_checks"] = "\n".join(notes)[:TAG_LIMIT]
     ml.log_batch(run_id, metrics=metrics, tags=[RunTag(k, v) for k, v in tags.items()])
     rows = eval_rows(events)
-    if data_url and rows:
-        dataset = holdout_dataset(data_url, rows)._to_mlflow_entity()
+    dataset = holdout_dataset(data_url, rows) if data_url and rows else None
+    if dataset is not None:
         context = InputTag(key=mlflow_tags.MLFLOW_DATASET_CONTEXT, value="eval")
-        ml.log_inputs(run_id, datasets=[DatasetInput(dataset, tags=[context])])
+        entity = dataset._to_mlflow_entity()
+        ml.log_inputs(run_id, datasets=[DatasetInput(entity, tags=[context])])
+    evals = [m for m in curves if m.key in names.EVAL_CURVES]
+    named = (dataset.name, dataset.digest) if dataset is not None else None
+    for ckpt in logged_models.anchors(summary.layout):
+        model = logged_models.ensure_model(ml, _experiment_of(ml, run_id), ckpt, run_id)
+        logged_models.link_metrics(ml, run_id, model, ckpt.step, evals, named)
     with tempfile.TemporaryDirectory(prefix="ett-mlflow-") as tmp:
         ett_dir, ledger_dir = Path(tmp, "ett"), Path(tmp, "ledger")
         ett_dir.mkdir()
         ledger_dir.mkdir()
+        table = Path(tmp, names.BUCKET_TABLE)
+        table.write_text(json.dumps(bucket_table(report)))
         (ett_dir / "report.json").write_text(json.dumps(report.to_dict(), indent=2, default=str))
         (ett_dir / "report.txt").write_text(format_table(report, summary.mfu))
         (ett_dir / "report.md").write_text(to_markdown(report, summary.mfu))
         plot_breakdown(report, ett_dir / "breakdown.png")
         ml.log_artifacts(run_id, str(ett_dir), artifact_path="ett")
+        _list_table(ml, run_id, names.BUCKET_TABLE)
         for file in summary.files:  # segmented ones reassembled
             (ledger_dir / file.name).write_bytes(file.data)
         if summary.files:
@@ -307,6 +332,21 @@ def log_job_report(
     if status is not None:
         ml.set_terminated(run_id, status=status)
     return scalars
+
+
+def _experiment_of(ml: MlflowClient, run_id: str) -> str:
+    return str(ml.get_run(run_id).info.experiment_id)
+
+
+def _list_table(ml: MlflowClient, run_id: str, path: str) -> None:
+    """List ``path`` (a JSON "split" table artifact) in the run's ``mlflow.loggedArtifacts``,
+    as ``MlflowClient.log_table`` does, so the UI renders it as a table. (log_table itself
+    appends to a table logged before: logging a job again would double its rows.)"""
+    tag = mlflow_tags.MLFLOW_LOGGED_ARTIFACTS
+    listed = json.loads(ml.get_run(run_id).data.tags.get(tag, "[]"))
+    entry = {"path": path, "type": "table"}
+    if entry not in listed:
+        ml.set_tag(run_id, tag, json.dumps([*listed, entry]))
 
 
 def _final_status(report: EttReport, succeeded: bool | None) -> str | None:

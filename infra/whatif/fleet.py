@@ -9,20 +9,23 @@ checkpoint blocking per job, and regressions flagged against the trailing median
 
 This module computes; infra/whatif/fleet_report.py renders (tables, markdown, plots), the way
 infra/accounting/ett.py and infra/accounting/report.py split a single job's report. It reads only
-what infra/tracking/mlflow_runs.py logs (tag ``ett.kind = job``, ``ett.*`` metrics).
+what infra/tracking/mlflow_runs.py logs (tag ``ett.kind = job``): the headline metrics
+(``wall_time/*``, infra/tracking/metrics.py) and, for the rest, the run's ``ett/report.json``.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
+import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from mlflow import MlflowClient
 
+from infra.tracking import metrics as names
 from infra.tracking.client import client as mlflow_client
-from infra.tracking.metrics import METRIC_PREFIX
 from infra.tracking.mlflow_runs import JOB_ID_TAG, KIND_TAG
 from infra.tracking.run_metadata import redact_url
 
@@ -99,35 +102,49 @@ def _job_runs(client: MlflowClient, experiment_id: str) -> list[Any]:
             return runs
 
 
+REPORT_JSON = "ett/report.json"
+
+
+def _report(client: MlflowClient, run_id: str) -> dict[str, Any]:
+    """The job's full ETT report as logged (``ett/report.json``); {} when it is missing."""
+    with tempfile.TemporaryDirectory(prefix="ett-fleet-") as tmp:
+        try:
+            path = client.download_artifacts(run_id, REPORT_JSON, tmp)
+        except Exception:  # noqa: BLE001 - an older or half-logged run: headline only
+            return {}
+        with open(path) as fh:
+            data: dict[str, Any] = json.load(fh)
+    return data
+
+
 def _job(client: MlflowClient, run: Any) -> FleetJob:
-    m = {
-        k[len(METRIC_PREFIX) :]: v
-        for k, v in run.data.metrics.items()
-        if k.startswith(METRIC_PREFIX)
-    }
-    failures = int(m.get("num_failures", 0))
+    m = run.data.metrics
+    r = _report(client, run.info.run_id)
+    failures = int(m.get(names.NUM_FAILURES, 0))
     ttr: tuple[float, ...] = ()
-    if failures:
-        hist = client.get_metric_history(run.info.run_id, f"{METRIC_PREFIX}time_to_recover_s")
+    if r.get("failures") is not None:
+        ttr = tuple(float(f["time_to_recover_s"]) for f in r["failures"])
+    elif failures:
+        hist = client.get_metric_history(run.info.run_id, names.TIME_TO_RECOVER_S)
         latest = {h.step: h for h in sorted(hist, key=lambda h: h.timestamp)}
         ttr = tuple(latest[s].value for s in sorted(latest))
     return FleetJob(
         run_id=run.info.run_id,
         job_id=run.data.tags.get(JOB_ID_TAG, run.info.run_name),
         status=run.info.status,
-        start_time=m.get("start_time", run.info.start_time / 1000.0),
-        wall_s=m.get("wall_s", 0.0),
-        ett_pct=m["ett_pct"],
-        failure_pct=m.get("failure_pct", 0.0),
-        idleness_pct=m.get("idleness_pct", 0.0),
-        time_to_start_s=m.get("time_to_start_s"),
-        num_failures=failures,
+        start_time=r.get("start_time", run.info.start_time / 1000.0),
+        wall_s=r.get("wall_s", 0.0),
+        ett_pct=r.get("ett_pct", m[names.ETT_PCT]),
+        failure_pct=r.get("failure_pct", m.get(names.FAILURE_PCT, 0.0)),
+        idleness_pct=r.get("idleness_pct", m.get(names.IDLENESS_PCT, 0.0)),
+        time_to_start_s=r.get("time_to_start_s", m.get(names.TIME_TO_START_S)),
+        num_failures=int(r.get("num_failures", failures)),
         time_to_recover_s=ttr,
-        time_to_recover_total_s=m.get("time_to_recover_total_s", 0.0),
-        unsaved_s=m.get("observed_unsaved_s", 0.0),
-        checkpoint_blocking_s=m.get("checkpoint_blocking_total_s", 0.0),
-        checkpoint_blocking_mean_s=m.get("checkpoint_blocking_mean_s"),
-        effective_s=m.get("bucket_effective_training_s", 0.0),
+        time_to_recover_total_s=r.get("time_to_recover_total_s", sum(ttr)),
+        unsaved_s=r.get("observed_unsaved_s", 0.0),
+        checkpoint_blocking_s=r.get("checkpoint_blocking_total_s", 0.0),
+        checkpoint_blocking_mean_s=r.get("checkpoint_blocking_mean_s"),
+        effective_s=r.get("buckets", {}).get("effective_training", 0.0),
     )
 
 
@@ -246,12 +263,12 @@ def fleet_summary(
     client = mlflow_client(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     runs = _job_runs(client, exp.experiment_id) if exp is not None else []
-    reported = [r for r in runs if f"{METRIC_PREFIX}ett_pct" in r.data.metrics]
+    reported = [r for r in runs if names.ETT_PCT in r.data.metrics]
     jobs = sorted((_job(client, r) for r in reported), key=lambda j: (j.start_time, j.job_id))
     in_progress = tuple(
         r.data.tags.get(JOB_ID_TAG, r.info.run_name)
         for r in runs
-        if f"{METRIC_PREFIX}ett_pct" not in r.data.metrics
+        if names.ETT_PCT not in r.data.metrics
     )
     return FleetSummary(
         experiment=experiment,

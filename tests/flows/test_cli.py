@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -318,3 +320,23 @@ def test_demo_on_a_tiny_config(tmp_path: Path, request: pytest.FixtureRequest) -
     assert "this demo ran on a temporary API" in proc.stdout
     assert "ChildFailedError" not in out  # torchrun's own traceback is DEBUG
     assert "planner.stats" not in out and "[TBE=" not in out  # library dumps too
+    # What users see (docs/logging.md): the report once, no library noise, no stray lines,
+    # a failed attempt's reason, and closing commands that work as printed.
+    assert out.count("== Wall-time buckets ==") == 1
+    assert "NoneType: None" not in out
+    for noise in ("topology was constructed", "is_fx_tracing", "deprecating ShardedTensor"):
+        assert noise not in out, noise
+    failed = r" ERROR prefect\.task_runs: Finished in state Failed\('attempt 0 failed: sigkill "
+    assert re.search(failed, out), out[-6000:]
+    [again] = [x for x in proc.stdout.splitlines() if x.startswith("ETT report again: ")]
+    report = subprocess.run(
+        shlex.split(again.removeprefix("ETT report again: ").split("   (")[0]),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert report.returncode == 0 and "== Wall-time buckets ==" in report.stdout, report.stderr
+    [ui] = [x for x in proc.stdout.splitlines() if x.startswith("MLflow UI: ")]
+    mlflow = Path(shlex.split(ui.removeprefix("MLflow UI: "), comments=True)[0])
+    assert mlflow.resolve() == ETT.with_name("mlflow").resolve() and "--port 5001" in ui

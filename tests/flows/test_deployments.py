@@ -16,7 +16,10 @@ and worker environment disagree, then the ``publish`` run its anchor event trigg
 - publish runs one at a time (ENQUEUE), and its trigger's name and description;
 - ``ett demo`` on this stack publishes once, through the trigger;
 - a second run with the same parameters is a new job (issue 27), and a finished job's id is
-  refused in one line.
+  refused in one line;
+- the pages a user opens, read in headless Chromium (infra/devstack/chromium.py): the MLflow
+  run's curves first, its LoggedModel and version, the bucket table; the publish run's gate
+  table, the train run's link to its publish run (ETT_SCREENSHOTS=DIR saves them: docs/img).
 """
 
 from __future__ import annotations
@@ -155,7 +158,8 @@ def job(
         tmp,
         job_id=None,
         storage={"root": f"s3://ett/deployments-{uuid.uuid4().hex[:8]}"},
-        train={"steps": 30, "log_every": 10, "dense_lr": 0.02},
+        # evaluated in the loop at steps 4 and 8: the MLflow run's eval curve (browser tests)
+        train={"steps": 30, "log_every": 10, "dense_lr": 0.02, "eval_every": 4, "eval": "inline"},
         checkpoint={"every_steps": 10},
         tracking={"mlflow_uri": mlflow_server, "registered_model": MODEL},
     )
@@ -527,10 +531,15 @@ def test_browser_the_mlflow_runs_first_chart_section_is_the_training_curves(
         f"{job.mlflow_uri}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
         f"/model-metrics{TRAINING_VIEW}"
     )
-    text = _show(browser, url, "Add chart", "loss", "ett_pct", name="mlflow-run-curves")
-    sections = SECTION.findall(text)
-    assert sections[:2] in (["eval", "train"], ["train", "eval"]), sections
-    assert "wall_time" in sections and not any(s.startswith("ett") for s in sections), sections
+    text = _show(browser, url, "Add chart", "loss", "auc", "wall_time", name="mlflow-run-curves")
+    sections = SECTION.findall(text)  # MLflow adds an empty "Model metrics" at the end
+    assert sections[:3] == ["eval", "train", "wall_time"], sections
+    # the whole breakdown: one table among the run's artifacts
+    page = url.replace(
+        f"/model-metrics{TRAINING_VIEW}", f"/artifacts/ett/buckets.json{TRAINING_VIEW}"
+    )
+    text = _show(browser, page, "effective_training", "% of wall time", name="mlflow-ett-buckets")
+    assert "recovery" in text and "total" in text, text[:2000]
 
 
 def test_browser_the_mlflow_run_shows_its_logged_model_and_its_version(
@@ -551,6 +560,18 @@ def test_browser_the_mlflow_run_shows_its_logged_model_and_its_version(
     text = _show(browser, url, "Logged models", model.name, name="mlflow-run-overview")
     registered = text[text.index("Registered models") :]
     assert f"{MODEL}" in registered and f"v{version.version}" in registered, registered[:500]
+    # the version: its decision first, its source the training run
+    page = f"#/models/{MODEL}/versions/{version.version}{TRAINING_VIEW}"
+    text = _show(
+        browser, f"{job.mlflow_uri}/{page}", "promoted to champion", name="mlflow-model-version"
+    )
+    assert run.info.run_name in text, text[:2000]
+    # the model: the eval points of its step and the gate's numbers
+    page = f"#/experiments/{run.info.experiment_id}/models/{model.model_id}{TRAINING_VIEW}"
+    text = _show(
+        browser, f"{job.mlflow_uri}/{page}", model.name, "eval/auc", name="mlflow-logged-model"
+    )
+    assert "publish/holdout_auc" in text, text[:3000]
 
 
 def test_browser_the_publish_run_shows_the_gate_table(job: Job, browser: Chromium) -> None:
@@ -573,6 +594,14 @@ def test_browser_the_publish_run_shows_the_gate_table(job: Job, browser: Chromiu
 
 def test_browser_the_train_run_links_to_its_publish_run(job: Job, browser: Chromium) -> None:
     link = _artifact("publish-run-train", job.train.id)
+    table = _artifact("ett-buckets-train", job.train.id)
+    text = _show(
+        browser,
+        f"{job.ui_url}/artifacts/artifact/{table.id}",
+        "effective_training",
+        name="prefect-ett-table",
+    )
+    assert "% of wall time" in text and "recovery" in text, text[:2000]
     browser.open(f"{job.ui_url}/runs/flow-run/{job.train.id}")
     browser.wait_for_text(job.train.name, timeout_s=90)
     browser.click_text("Artifacts")

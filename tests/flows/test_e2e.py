@@ -38,6 +38,7 @@ from infra import storage
 from infra.accounting.ett import report_for_job
 from infra.accounting.ledger_read import read_events
 from infra.settings import dump_config
+from publish import registry
 from tests.factories import tiny_config, write_dataset
 from tests.prefect_worker import deployed_worker
 
@@ -149,8 +150,29 @@ def test_train_recovers_and_publishing_runs_from_the_trigger(
 
     ml = MlflowClient(mlflow_server)
     version = ml.get_model_version_by_alias(MODEL, "champion")
-    assert version.tags["anchor_uri"] == anchor.attrs["url"]
+    assert registry.anchor_uri_of(ml, version) == anchor.attrs["url"]
     assert {"candidate", "champion"} <= set(version.aliases)
+    # The version was registered from the LoggedModel the train flow made for its anchor: a
+    # model of the job's run at the anchor's step, with the trainer's eval at that step.
+    (job_run,) = ml.search_runs(
+        [ml.get_experiment_by_name(config.tracking.experiment).experiment_id],
+        f"tags.`ett.job_id` = '{config.job_id}' and tags.`ett.kind` = 'job'",
+    )
+    model = ml.get_logged_model(registry.model_id_of(version))
+    assert model.name == f"ranker-{config.job_id}-step-30"
+    assert model.source_run_id == version.run_id == job_run.info.run_id
+    assert [(o.model_id, o.step) for o in job_run.outputs.model_outputs] == [(model.model_id, 30)]
+    on_model = {(m.key, m.step): m.value for m in model.metrics}
+    assert ("publish/holdout_auc", 0) in on_model
+    # The run's eval points at the anchor's step, if the side evaluator scored it in time.
+    run_id = job_run.info.run_id
+    at_anchor = {
+        (h.key, h.step): h.value
+        for key in ("eval/auc", "eval/logloss")
+        for h in ml.get_metric_history(run_id, key)
+        if h.step == 30
+    }
+    assert {k: v for k, v in on_model.items() if k[0].startswith("eval/")} == at_anchor
 
     report = report_for_job(config.layout)
     assert report.num_failures == 2
@@ -173,7 +195,7 @@ def test_retrain_is_scheduled_and_warm_starts_from_the_champion(
 
     ml = MlflowClient(mlflow_server)
     champion = ml.get_model_version_by_alias(MODEL, "champion")  # from the test above
-    anchor_uri = champion.tags["anchor_uri"]
+    anchor_uri = registry.anchor_uri_of(ml, champion)
     config = _config(tmp_path, "e2e-retrain", mlflow_server)
     root = tmp_path / "daily"
     write_dataset(

@@ -32,6 +32,7 @@ from infra.accounting.ledger import Ledger
 from infra.accounting.ledger_format import Mark
 from infra.preflight import PreflightError
 from infra.settings import dump_config
+from infra.tracking import metrics as names
 from tasks.events import ANCHOR_EVENT
 from tasks.job_identity import JobFinished
 from tasks.report import artifact_key
@@ -107,6 +108,14 @@ def test_train_flow_recovers_emits_anchor_and_reports(
     flow_run_ids = {r.id for r in event.related if r.role == "flow-run"}
     assert flow_run_ids == {f"prefect.flow-run.{result['flow_run_id']}"}
 
+    # The failed attempt's task run says why: its Failed state, as sent to the server.
+    failed = [
+        (e.payload["task_run"]["name"], e.payload["validated_state"]["message"])
+        for e in AssertingEventsClient.last.events  # type: ignore[union-attr]
+        if e.event == "prefect.task-run.Failed"
+    ]
+    assert failed == [("flow-ok-attempt-0", "attempt 0 failed: crash at step 7 (CRASH (1))")]
+
     progress = _artifact("train-progress-train", result["flow_run_id"])  # the flow's key
     assert progress.type == "progress" and float(progress.data) == 100.0
     markdown = _artifact("ett-train", result["flow_run_id"])
@@ -115,7 +124,7 @@ def test_train_flow_recovers_emits_anchor_and_reports(
     ml = MlflowClient(config.tracking.mlflow_uri)
     run = ml.get_run(result["mlflow_run_id"])
     assert run.info.status == "FINISHED"
-    assert run.data.metrics["ett.num_failures"] == 1.0
+    assert run.data.metrics[names.NUM_FAILURES] == 1.0
     children = ml.search_runs(
         [run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run.info.run_id}'"
     )
@@ -144,7 +153,7 @@ def test_train_flow_fails_clearly_and_still_reports(
     exp = ml.get_experiment_by_name(config.tracking.experiment)
     runs = ml.search_runs([exp.experiment_id], "tags.`ett.job_id` = 'flow-bad'")
     assert [r.info.status for r in runs] == ["FAILED"]
-    assert runs[0].data.metrics["ett.num_failures"] == 2.0
+    assert runs[0].data.metrics[names.NUM_FAILURES] == 2.0
 
     fleet = ett_report_flow(
         tracking_uri=config.tracking.mlflow_uri, experiment=config.tracking.experiment
@@ -239,5 +248,5 @@ def test_the_jobs_ledger_is_read_once_at_the_end_of_a_flow_run(
     table = _artifact("ett-buckets-train", result["flow_run_id"])
     assert table.type == "table"  # ...the UI
     run = MlflowClient(config.tracking.mlflow_uri).get_run(result["mlflow_run_id"])
-    assert run.data.metrics["ett.num_failures"] == 1.0  # ...and MLflow
+    assert run.data.metrics[names.NUM_FAILURES] == 1.0  # ...and MLflow
     assert reads == [f"read {config.layout.ledger}"]

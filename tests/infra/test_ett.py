@@ -606,6 +606,34 @@ def test_an_in_process_restart_is_a_failure_inside_the_attempt(tmp_path) -> None
     assert [(a.outcome, a.first_step, a.last_step) for a in r.attempts] == [("success", 1, 5)]
 
 
+def test_redone_steps_are_split_by_the_tier_their_restore_came_from(tmp_path) -> None:
+    """Steps 1-4 [1,5] with in-memory copies of steps 2 and 3 (blocking 0.1 each); step 5
+    raises @5.5, restored in process from the copy of step 3: step 4 is redone (memory).
+    Steps 4-6 [6,9]; step 7 raises @9.5, restored from the commit of step 5: step 6 is
+    redone (durable). Steps 6-8 [10,13]."""
+    url = str(tmp_path / "job")
+    with Ledger(JobLayout.at(url), clock=lambda: T0) as tr:
+        tr.record_span("device_init", T0, T0 + 1)
+        _steps(tr, 1, 1, 4)
+        for step in (2, 3):
+            tr.record_span("memory_copy_blocking", T0 + step, T0 + step + 0.1, step=step)
+            tr.mark("memory_copy", step=step, t=T0 + step + 0.2, seq=step, bytes=10)
+        tr.mark("checkpoint_interval", t=T0 + 1, tier="memory", reason="fixed", interval_s=0.5)
+        tr.mark("in_process_restart", step=5, t=T0 + 5.5, error="RuntimeError: boom")
+        tr.mark("resume", step=3, t=T0 + 5.6, how="in_process", tier="memory")
+        _steps(tr, 4, 6, 3)
+        tr.mark("in_process_restart", step=7, t=T0 + 9.5, error="RuntimeError: boom")
+        tr.mark("resume", step=5, t=T0 + 9.6, how="in_process", tier="durable")
+        _steps(tr, 6, 10, 3)
+        tr.mark("job_end", step=8, t=T0 + 13)
+    r = report_for_job(JobLayout.at(url))
+    assert r.redone_by_tier == {"memory": 1.0, "durable": 1.0}
+    assert [res.tier for res in r.resumes] == ["memory", "durable"]
+    assert "in-memory copy" in r.resumes[0].describe()
+    assert (r.memory_copies, r.memory_interval_s) == (2, 0.5)
+    assert r.memory_blocking_total_s == pytest.approx(0.2)
+
+
 # -- time the ledger cannot see -------------------------------------------------------------
 def _steps(led: Ledger, first: int, t: float, n: int) -> None:
     for step in range(first, first + n):

@@ -9,17 +9,20 @@ per MLflow version and kept in pytest's cache (or the session's tmp dir without 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import socket
 import subprocess
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import mlflow
 import pytest
 from mlflow import MlflowClient
+from mlflow.entities import LoggedModelStatus
 from mlflow.exceptions import MlflowException
 
 from infra import storage
@@ -28,10 +31,13 @@ from infra.accounting.ledger import Ledger
 from infra.accounting.ledger_read import read_events
 from infra.accounting.report import format_table
 from infra.accounting.summary import JobSummary
-from infra.job_layout import JobLayout
+from infra.checkpoint_manifest import MANIFEST, Manifest
+from infra.job_layout import JobLayout, step_dir_name
 from infra.settings import JobConfig
 from infra.tracking import client as mlflow_client
+from infra.tracking import metrics as names
 from infra.tracking import mlflow_runs, run_metadata
+from infra.tracking.logged_models import anchor_key
 from tests.factories import tiny_config
 
 SECRET = "FAKE-SECRET-do-not-log-7f3a9c"
@@ -144,11 +150,29 @@ def _git_head() -> str:
     return out.stdout.strip()
 
 
+def write_anchor(job_url: str, step: int, job_id: str) -> str:
+    """A committed anchor checkpoint of the job: its manifest only (what the LoggedModel is
+    made from); returns its URL."""
+    url = storage.join(job_url, "checkpoints", step_dir_name(step))
+    manifest = Manifest(step=step, world_size=2, config_hash="h", files={}, anchor=True)
+    storage.write_text(storage.join(url, MANIFEST), replace(manifest, job_id=job_id).to_json())
+    return url
+
+
+def ui_sections(keys: list[str]) -> list[str]:
+    """The Model metrics tab's sections in the order MLflow 3.17's UI shows them: the part of
+    a name before its last ``/``, in code-point order, then the names without one ("Model
+    metrics") -- ``getBaseChartAndSectionConfigs`` in MLflow's JS bundle."""
+    named = sorted({k.rsplit("/", 1)[0] for k in keys if "/" in k})
+    return named + (["Model metrics"] if any("/" not in k for k in keys) else [])
+
+
 def test_job_run_holds_report_curves_attempts_and_artifacts(
     tmp_path: Path, store: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = _config(tmp_path, store, "job-report", monkeypatch)
     write_job(config.layout.url, fail_after=7, eval_every=5)
+    anchor_url = write_anchor(config.layout.url, 20, "job-report")
     events = read_events(config.layout)
     report = report_for_job(config.layout)
     assert report.num_failures == 1 and report.observed_unsaved_s == 2.0
@@ -157,10 +181,7 @@ def test_job_run_holds_report_curves_attempts_and_artifacts(
     attempts = mlflow_runs.attempts_from_ledger(report, events)
     children = [mlflow_runs.log_attempt(run_id, a, tracking_uri=store) for a in attempts]
     logged = mlflow_runs.log_job_report(
-        run_id,
-        JobSummary.read(config.layout),
-        extra_metrics={"advisor.interval_s": 12.5},
-        data_url=config.data.url,
+        run_id, JobSummary.read(config.layout), data_url=config.data.url
     )
 
     client = MlflowClient(tracking_uri=store)
@@ -172,34 +193,64 @@ def test_job_run_holds_report_curves_attempts_and_artifacts(
     assert tags["mlflow.source.name"] == "flows/train_flow.py"
     assert tags["mlflow.source.type"] == "JOB"
     assert tags["mlflow.source.git.commit"] == _git_head()
-    assert "trainer.holdout_auc" in tags["mlflow.note.content"]
+    assert "`eval/auc`" in tags["mlflow.note.content"]
     assert f"first {config.train.eval_rows} holdout rows" in tags["mlflow.note.content"]
     # The experiment opens as model training, not as a GenAI project.
     experiment = client.get_experiment(run.info.experiment_id)
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
-    # Metrics: exactly the report's numbers, under ett.*; plus the L2 shares and extras.
+    # Metrics: the curves and the ETT headline only, in sections; the curves' sections come
+    # first in the Model metrics tab. No timestamp, flag or bucket is a metric.
     m = run.data.metrics
-    for name, value in report.to_metrics().items():
-        assert m[f"ett.{name}"] == pytest.approx(value, rel=1e-12), name
-    assert m["ett.ett_pct"] == report.ett_pct and m["ett.num_failures"] == 1
-    assert m["ett.time_to_start_s"] == 10.0
-    for bucket, pct in report.bucket_pct().items():
-        assert m[f"ett.bucket_{bucket}_pct"] == pytest.approx(pct)
-    assert m["advisor.interval_s"] == 12.5 and logged["ett.ett_pct"] == report.ett_pct
-    ttr = client.get_metric_history(run_id, "ett.time_to_recover_s")
-    assert [h.step for h in ttr] == [0] and ttr[0].value == report.time_to_recover_total_s
-    init = {h.step: h.value for h in client.get_metric_history(run_id, "ett.init.pre_train_s")}
-    assert init == {0: 5.0, 1: 6.0}
-    # Curves by step from the ledger: one point per step, a redone step from its last run.
-    loss = {h.step: h.value for h in client.get_metric_history(run_id, "trainer.loss")}
+    assert set(m) == {
+        names.TRAIN_LOSS,
+        names.EVAL_AUC,
+        names.EVAL_LOGLOSS,
+        names.ETT_PCT,
+        names.IDLENESS_PCT,
+        names.FAILURE_PCT,
+        names.TIME_TO_START_S,
+        names.TIME_TO_RECOVER_S,
+        names.NUM_FAILURES,
+    }
+    assert ui_sections(list(m)) == ["eval", "train", "wall_time"]
+    # Rounded as shown: percents to 2 decimals, seconds to milliseconds.
+    assert m[names.ETT_PCT] == round(report.ett_pct, 2) != report.ett_pct
+    assert m[names.FAILURE_PCT] == round(report.failure_pct, 2)
+    assert m[names.NUM_FAILURES] == 1 and m[names.TIME_TO_START_S] == 10.0
+    assert logged == {k: m[k] for k in logged} and names.TIME_TO_RECOVER_S not in logged
+    ttr = client.get_metric_history(run_id, names.TIME_TO_RECOVER_S)
+    assert [h.step for h in ttr] == [0]
+    assert ttr[0].value == round(report.time_to_recover_total_s, 3)
+    # Curves by step from the ledger: one point per step, a redone step from its last run,
+    # five significant digits.
+    loss = {h.step: h.value for h in client.get_metric_history(run_id, names.TRAIN_LOSS)}
     assert sorted(loss) == list(range(1, 21))
-    assert loss[5] == loss_at(5, 0) and loss[6] == loss_at(6, 1) and loss[20] == loss_at(20, 1)
-    auc = {h.step: h.value for h in client.get_metric_history(run_id, "trainer.holdout_auc")}
+    assert loss[5] == loss_at(5, 0) and loss[20] == loss_at(20, 1)
+    assert loss[6] == 0.66667 != loss_at(6, 1)  # 1/6 + 0.5, redone by attempt 1
+    auc = {h.step: h.value for h in client.get_metric_history(run_id, names.EVAL_AUC)}
     assert auc == {5: auc_at(5, 0), 10: auc_at(10, 1), 15: auc_at(15, 1), 20: auc_at(20, 1)}
-    assert len(client.get_metric_history(run_id, "trainer.holdout_logloss")) == 4
+    assert len(client.get_metric_history(run_id, names.EVAL_LOGLOSS)) == 4
     # The trainer's eval data set, named by its size.
     inputs = run.inputs.dataset_inputs
     assert [d.dataset.name for d in inputs] == [f"holdout[:{EVAL_ROWS}]"]
+    # The anchor checkpoint: a LoggedModel of this run at its step, with the run's eval
+    # metrics at that step linked to it (and their data set).
+    (output,) = run.outputs.model_outputs
+    assert output.step == 20
+    model = client.get_logged_model(output.model_id)
+    assert model.name == "ranker-job-report-step-20" and model.source_run_id == run_id
+    assert model.status == LoggedModelStatus.READY and model.model_type == "ranker"
+    assert model.tags["mlflow.model.isExternal"] == "true"  # until publishing logs files
+    assert "job `job-report`" in model.tags["mlflow.note.content"]
+    assert model.params["anchor_uri"] == anchor_url and model.params["step"] == "20"
+    assert model.params["job_id"] == "job-report" and model.params["training_run_id"] == run_id
+    assert model.params["anchor_world_size"] == "2"
+    sha = hashlib.sha256(storage.read_text(storage.join(anchor_url, MANIFEST)).encode())
+    assert model.params["anchor_key"] == anchor_key(anchor_url, sha.hexdigest())
+    on_model = {x.key: x for x in model.metrics}
+    assert set(on_model) == {names.EVAL_AUC, names.EVAL_LOGLOSS}
+    assert on_model[names.EVAL_AUC].value == auc_at(20, 1) and on_model[names.EVAL_AUC].step == 20
+    assert on_model[names.EVAL_AUC].dataset_name == f"holdout[:{EVAL_ROWS}]"
     # Params: the flattened public config, and no credential anywhere.
     p = run.data.params
     assert p["job_id"] == "job-report" and p["train.steps"] == "20"
@@ -223,15 +274,28 @@ def test_job_run_holds_report_curves_attempts_and_artifacts(
         assert child.info.end_time == int(a.ended * 1000)
         assert child.data.params == {}
         assert child.data.tags["mlflow.source.git.commit"] == _git_head()
-        assert child.data.metrics == {"duration_s": a.ended - a.started, "last_step": last}
+        assert child.data.metrics == {
+            names.ATTEMPT_DURATION_S: round(a.ended - a.started, 3),
+            names.ATTEMPT_LAST_STEP: last,
+        }
     own = [e for e in events if e.attempt == 1 and e.name != "scheduling"]
     assert attempts[1].started == min(e.start for e in own)
-    # Artifacts: report, table, PNG chart and every ledger file, byte for byte.
+    # Artifacts: the bucket table (listed as a table for the UI), report, PNG chart and every
+    # ledger file, byte for byte.
     dst = Path(
         mlflow.artifacts.download_artifacts(
             run_id=run_id, tracking_uri=store, dst_path=str(tmp_path / "dl")
         )
     )
+    table = json.loads((dst / "ett" / "buckets.json").read_text())
+    assert table["columns"] == ["bucket", "seconds", "% of wall time"]
+    rows = {row[0]: row[1:] for row in table["data"]}
+    assert list(rows) == [*report.buckets, "total"]
+    for bucket, secs in report.buckets.items():
+        assert rows[bucket] == [round(secs, 3), round(report.bucket_pct()[bucket], 2)]
+    assert rows["total"] == [round(report.wall_s, 3), 100.0]
+    listed = json.loads(tags["mlflow.loggedArtifacts"])
+    assert {"path": "ett/buckets.json", "type": "table"} in listed
     assert (dst / "ett" / "breakdown.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (dst / "ett" / "report.txt").read_text() == format_table(report)
     assert json.loads((dst / "ett" / "report.json").read_text())["ett_pct"] == report.ett_pct
@@ -245,6 +309,34 @@ def test_job_run_holds_report_curves_attempts_and_artifacts(
             assert SECRET.encode() not in f.read_bytes() and KEY_ID.encode() not in f.read_bytes()
     # Artifacts of a sqlite store live next to the database, not in the caller's cwd.
     assert Path(store[len("sqlite:///") :]).parent.joinpath("mlartifacts").is_dir()
+
+    # Logged again (``ett report --log``): the same one model, output, table and points.
+    mlflow_runs.log_job_report(run_id, JobSummary.read(config.layout), data_url=config.data.url)
+    again = client.get_run(run_id)
+    assert [o.model_id for o in again.outputs.model_outputs] == [model.model_id]
+    by_name = "name = 'ranker-job-report-step-20'"
+    found = client.search_logged_models([run.info.experiment_id], by_name)
+    assert [x.model_id for x in found] == [model.model_id]
+    assert len(client.get_logged_model(model.model_id).metrics) == 2
+    assert json.loads(again.data.tags["mlflow.loggedArtifacts"]) == listed
+    assert len(client.get_metric_history(run_id, names.TRAIN_LOSS)) == 20
+    table_again = client.download_artifacts(run_id, "ett/buckets.json", str(tmp_path / "t2"))
+    assert json.loads(Path(table_again).read_text()) == table
+
+    # The anchor rewritten at the same URL (a retried anchor: another manifest) is another
+    # checkpoint, as the registry's anchor_key says: a model of its own, not the old one.
+    manifest = Manifest(step=20, world_size=1, config_hash="h", files={}, anchor=True)
+    storage.write_text(
+        storage.join(anchor_url, MANIFEST), replace(manifest, job_id="job-report").to_json()
+    )
+    mlflow_runs.log_job_report(run_id, JobSummary.read(config.layout), data_url=config.data.url)
+    models = client.search_logged_models([run.info.experiment_id], by_name)
+    assert len(models) == 2
+    rewritten = next(x for x in models if x.model_id != model.model_id)
+    assert rewritten.params["anchor_world_size"] == "1"
+    assert rewritten.params["anchor_key"] != model.params["anchor_key"]
+    outputs = client.get_run(run_id).outputs.model_outputs
+    assert sorted(o.model_id for o in outputs) == sorted(x.model_id for x in models)
 
 
 def test_a_job_run_again_keeps_its_one_run(
@@ -293,8 +385,8 @@ def test_a_job_is_logged_whole_from_its_ledger_later(
 
     client = MlflowClient(tracking_uri=store)
     run = client.get_run(run_id)
-    assert run.info.status == "FINISHED" and scalars["ett.num_failures"] == 1.0
-    assert len(client.get_metric_history(run_id, "trainer.loss")) == 1500
+    assert run.info.status == "FINISHED" and scalars[names.NUM_FAILURES] == 1.0
+    assert len(client.get_metric_history(run_id, names.TRAIN_LOSS)) == 1500
     children = client.search_runs(
         [run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run_id}'"
     )
@@ -302,7 +394,7 @@ def test_a_job_is_logged_whole_from_its_ledger_later(
     assert got == [("0", "sigkill"), ("1", "success")]
 
     assert mlflow_runs.log_job(config, JobSummary.read(config.layout))[0] == run_id
-    assert len(client.get_metric_history(run_id, "trainer.loss")) == 1500
+    assert len(client.get_metric_history(run_id, names.TRAIN_LOSS)) == 1500
     assert len(client.search_runs([run.info.experiment_id], "tags.`ett.job_id` = 'job-late'")) == 1
     assert (
         len(client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run_id}'"))
@@ -372,13 +464,13 @@ def test_fleet_files_go_to_one_fleet_run(tmp_path: Path, store: str) -> None:
     md = tmp_path / "fleet.md"
     md.write_text("# fleet\n")
     files = {"ett_trend": str(png), "md": str(md)}
-    first = mlflow_runs.log_fleet_report(store, "fleet-runs", files, {"fleet.fleet_ett_pct": 71.5})
-    again = mlflow_runs.log_fleet_report(store, "fleet-runs", files, {"fleet.fleet_ett_pct": 72.0})
+    first = mlflow_runs.log_fleet_report(store, "fleet-runs", files, {"fleet/ett_pct": 71.5})
+    again = mlflow_runs.log_fleet_report(store, "fleet-runs", files, {"fleet/ett_pct": 72.0})
     assert first == again
     client = MlflowClient(tracking_uri=store)
     run = client.get_run(first)
     assert run.data.tags["ett.kind"] == "fleet" and run.info.status == "FINISHED"
-    assert [h.value for h in client.get_metric_history(first, "fleet.fleet_ett_pct")] == [
+    assert [h.value for h in client.get_metric_history(first, "fleet/ett_pct")] == [
         71.5,
         72.0,
     ]

@@ -20,7 +20,8 @@ from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
 
 from infra.checkpoint_manifest import MANIFEST, Manifest
 from infra.job_layout import step_dir_name
-from publish import registry, validate
+from publish import gate, registry, validate
+from publish.gate import GateDecision
 from publish.pipeline import publish
 from publish.registry import ChampionScore, should_promote
 from publish.settings import PublishError, make_settings
@@ -81,17 +82,18 @@ class _Registry:
 def test_the_champion_is_re_scored_by_its_alias_and_a_failure_is_reported() -> None:
     asked: list[str] = []
 
-    def scorer(uri: str) -> float:
+    def scorer(uri: str) -> tuple[float, float]:
         asked.append(uri)
-        return 0.625
+        return 0.625, 0.5
 
     assert registry.score_champion(_Registry(None), "ranker", scorer) == ChampionScore(None, None)
     assert asked == []
-    assert registry.score_champion(_Registry("7"), "ranker", scorer) == ChampionScore("7", 0.625)
+    scored = registry.score_champion(_Registry("7"), "ranker", scorer)
+    assert scored == ChampionScore("7", 0.625, logloss=0.5)
     assert asked == ["models:/ranker@champion"]
 
-    def broken(uri: str) -> float:
-        raise ValueError("schema mismatch")
+    def broken(uri: str) -> tuple[float, float]:
+        raise ValueError("schema mismatch\nand a traceback's worth of detail")
 
     score = registry.score_champion(_Registry("7"), "ranker", broken)
     assert score == ChampionScore("7", None, "ValueError: schema mismatch")
@@ -134,16 +136,112 @@ def test_validation_fails_each_check_past_its_bound_only(change: dict, failed: l
         assert phrase in message
 
 
-def test_metrics_are_logged_under_the_publish_names() -> None:
+def test_metrics_are_logged_under_the_publish_names_rounded_as_shown() -> None:
     assert GOOD.metrics() == {
-        "publish.holdout_rows": 1000.0,
-        "publish.holdout_auc": 0.75,
-        "publish.holdout_logloss": 0.5,
-        "publish.mean_prediction": 0.25,
-        "publish.observed_ctr": 0.25,
-        "publish.parity_max_abs_diff": 0.0,
-        "publish.nonfinite_predictions": 0.0,
+        "publish/holdout_rows": 1000.0,
+        "publish/holdout_auc": 0.75,
+        "publish/holdout_logloss": 0.5,
+        "publish/mean_prediction": 0.25,
+        "publish/observed_ctr": 0.25,
+        "publish/parity_max_abs_diff": 0.0,
+        "publish/nonfinite_predictions": 0.0,
     }
+    noisy = replace(GOOD, auc=0.781234567, logloss=0.4567891, parity_max_abs_diff=1.23456e-7)
+    shown = noisy.metrics()
+    assert shown["publish/holdout_auc"] == 0.78123 and shown["publish/holdout_logloss"] == 0.45679
+    assert shown["publish/parity_max_abs_diff"] == 1.23e-7
+
+
+@pytest.mark.parametrize(
+    ("auc", "champion", "margin", "line"),
+    [
+        (0.5, ChampionScore(None, None), 0.0, "promoted to champion: first version"),
+        (
+            0.781,
+            ChampionScore("3", 0.776),
+            0.0,
+            "promoted to champion: AUC 0.7810 vs 0.7760 (champion v3)",
+        ),
+        (
+            0.770,
+            ChampionScore("3", 0.776),
+            0.002,
+            "kept as candidate: AUC 0.7700 vs 0.7760 (champion v3), below the margin 0.002",
+        ),
+        (
+            0.775,
+            ChampionScore("3", 0.776),
+            0.0,
+            "kept as candidate: AUC 0.7750 vs 0.7760 (champion v3), below the champion",
+        ),
+        (
+            0.780,
+            ChampionScore("3", 0.776),
+            -0.005,
+            "kept as candidate: AUC 0.7800 vs 0.7760 (champion v3), short of the required "
+            "gain 0.005",
+        ),
+        (
+            0.9,
+            ChampionScore("3", None, "OSError: artifacts missing"),
+            0.0,
+            "kept as candidate: AUC 0.9000; champion v3 could not be re-scored: OSError: "
+            "artifacts missing",
+        ),
+    ],
+)
+def test_the_decision_line_says_promoted_or_kept_and_why(
+    auc: float, champion: ChampionScore, margin: float, line: str
+) -> None:
+    """The first line of a version's description (and the gate record's ``reason``)."""
+    promoted = should_promote(auc, champion, margin)
+    assert line.startswith("promoted") is promoted
+    assert gate.reason(auc, champion.version, champion.auc, margin, promoted, champion.error) == (
+        line
+    )
+
+
+def test_the_gate_record_round_trips_through_its_json() -> None:
+    decision = GateDecision(
+        candidate_auc=0.781,
+        candidate_logloss=0.45,
+        champion_version="3",
+        champion_auc=0.776,
+        champion_logloss=0.46,
+        margin=0.002,
+        parity_max_abs_diff=1e-7,
+        parity_tolerance=1e-5,
+        promoted=True,
+        reason="promoted to champion: AUC 0.7810 vs 0.7760 (champion v3)",
+    )
+    assert list(decision.to_dict()) == [
+        "candidate_auc",
+        "candidate_logloss",
+        "champion_version",
+        "champion_auc",
+        "champion_logloss",
+        "margin",
+        "parity_max_abs_diff",
+        "parity_tolerance",
+        "promoted",
+        "reason",
+    ]
+    assert GateDecision.from_json(decision.to_json()) == decision
+
+
+def test_a_version_carries_at_most_five_tags() -> None:
+    """Anything else about the anchor belongs on its LoggedModel: refused before MLflow."""
+    assert len(registry.VERSION_TAGS) == 5
+    with pytest.raises(ValueError, match="anchor_uri"):
+        registry.register(
+            None,  # type: ignore[arg-type]  # refused before the registry is asked
+            "ranker",
+            "key",
+            "m-1",
+            {"job_id": "j", "step": "20", "anchor_uri": "s3://b/x"},
+            True,
+            "promoted to champion: first version",
+        )
 
 
 def _committed(root: Path, step: int, anchor: bool) -> str:

@@ -37,8 +37,9 @@ from packaging.utils import canonicalize_name
 from infra import storage
 from infra.accounting.ledger_format import PUBLISH_SPANS
 from infra.accounting.ledger_read import read_events
-from infra.checkpoint_manifest import CommittedCheckpoint, read_manifest
+from infra.checkpoint_manifest import MANIFEST, CommittedCheckpoint, read_manifest
 from infra.job_layout import JobLayout
+from infra.tracking import logged_models
 from publish import registry, serving
 from publish.load import resolve
 from publish.pipeline import publish
@@ -80,11 +81,24 @@ def _trainer_side_probs(job: TrainedJob, url: str) -> tuple[np.ndarray, list]:
     return predict(model, batches, torch.device("cpu")).numpy(), batches
 
 
+def _job_logged_model(job: TrainedJob) -> str:
+    """What logging the job did for its anchor (infra/tracking/mlflow_runs.log_job_report):
+    its LoggedModel on the training run, at its step. Returns its id."""
+    client = MlflowClient(job.tracking_uri)
+    run = client.get_run(job.training_run_id)
+    manifest = storage.read_text(storage.join(job.s3_anchor_url, MANIFEST))
+    ckpt = logged_models.checkpoint_model(job.s3_anchor_url, manifest)
+    model = logged_models.ensure_model(client, run.info.experiment_id, ckpt, job.training_run_id)
+    return model.model_id
+
+
 @pytest.fixture(scope="module")
 def published(trained_job: TrainedJob) -> dict:
     """The S3 copy of the 2-rank anchor, published by ``python -m publish`` in a fresh
-    single CPU process (no torchrun, no process group, no GPU)."""
+    single CPU process (no torchrun, no process group, no GPU), after the job's logging made
+    its LoggedModel."""
     job = trained_job
+    model_id = _job_logged_model(job)
     env = {
         k: v
         for k, v in os.environ.items()
@@ -117,7 +131,7 @@ def published(trained_job: TrainedJob) -> dict:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     logging.getLogger(__name__).info("python -m publish: %.1f s", time.perf_counter() - start)
-    return json.loads(proc.stdout)
+    return {**json.loads(proc.stdout), "job_model_id": model_id}
 
 
 def test_two_rank_anchor_is_published_from_one_cpu_process(
@@ -130,39 +144,56 @@ def test_two_rank_anchor_is_published_from_one_cpu_process(
     assert published["promoted"] is True  # the first version becomes the champion
     assert set(published["aliases"]) == {"candidate", "champion"}
     metrics = published["metrics"]
-    assert metrics["publish.parity_max_abs_diff"] <= 1e-5
-    assert 0.0 < metrics["publish.holdout_auc"] <= 1.0
-    assert metrics["publish.holdout_rows"] == HOLDOUT_ROWS
+    assert metrics["publish/parity_max_abs_diff"] <= 1e-5
+    assert 0.0 < metrics["publish/holdout_auc"] <= 1.0
+    assert metrics["publish/holdout_rows"] == HOLDOUT_ROWS
 
     client = MlflowClient(job.tracking_uri)
     version = client.get_model_version(job.registered_model, published["version"])
-    tags = version.tags
-    assert tags["anchor_uri"] == job.s3_anchor_url
-    assert tags["anchor_step"] == "20" and tags["job_id"] == job.config.job_id
-    assert tags["anchor_key"] == resolve(job.s3_anchor_url).key
-    assert tags["training_run_id"] == job.training_run_id
-    assert tags["published_at"] and tags["publish_status"] == "complete"
-    assert f"first {HOLDOUT_ROWS} holdout rows" in version.description
-    # Lineage, as MLflow records it for a version registered from a LoggedModel: the source
-    # run is the run that logged the model (the publish run), nested under the training run;
-    # the model lists its versions.
+    # Five tags; the rest of what identifies the anchor is on its LoggedModel.
+    assert set(version.tags) == set(registry.VERSION_TAGS)
+    assert version.tags["step"] == "20" and version.tags["job_id"] == job.config.job_id
+    assert version.tags["anchor_key"] == resolve(job.s3_anchor_url).key
+    assert version.tags["publish_status"] == "complete" and version.tags["promoted"] == "true"
+    # The description opens with the decision, then one paragraph.
+    first, _, rest = version.description.partition("\n\n")
+    assert first == "promoted to champion: first version" == published["gate"]["reason"]
+    assert f"first {HOLDOUT_ROWS} holdout rows" in rest and "step 20" in rest
+    # Registered from the model the job's logging made: the training run's LoggedModel at the
+    # anchor's step, so MLflow records the lineage to the training run itself.
+    model_id = published["job_model_id"]
+    assert version.source == f"models:/{model_id}" and published["model_id"] == model_id
+    assert version.run_id == job.training_run_id
+    model = client.get_logged_model(model_id)
+    assert model.name == f"ranker-{job.config.job_id}-step-20"
+    assert model.source_run_id == job.training_run_id
+    training = client.get_run(job.training_run_id)
+    assert [(o.model_id, o.step) for o in training.outputs.model_outputs] == [(model_id, 20)]
+    params = model.params
+    assert params["anchor_uri"] == job.s3_anchor_url and params["anchor_world_size"] == "2"
+    assert params["anchor_key"] == version.tags["anchor_key"]
+    assert params["training_run_id"] == job.training_run_id
+    assert params["publish_run_id"] == published["publish_run_id"]
+    assert params["anchor_manifest_sha256"] == resolve(job.s3_anchor_url).manifest_sha256
+    assert "mlflow.model.isExternal" not in model.tags  # it holds the served model now
+    assert json.loads(model.tags["ett.gate"]) == published["gate"]
+    listed = json.loads(model.tags["mlflow.modelVersions"])
+    assert {"name": job.registered_model, "version": int(version.version)} in listed
+    # The publish run: nested under the training run, the model its input, the gate's metrics
+    # logged with the model's id (so the model's page has them, with their rows).
     publish_run = client.get_run(published["publish_run_id"])
-    assert version.run_id == publish_run.info.run_id
     assert publish_run.data.tags["mlflow.parentRunId"] == job.training_run_id
     assert publish_run.info.status == "FINISHED"
     assert publish_run.data.tags["mlflow.source.git.commit"]
-    assert version.source == f"models:/{publish_run.outputs.model_outputs[0].model_id}"
-    model = client.get_logged_model(registry.model_id_of(version))
-    assert model.source_run_id == publish_run.info.run_id
-    for tag in ("mlflow.source.name", "mlflow.source.git.commit"):  # "Logged from" on its page
-        assert model.tags[tag] == publish_run.data.tags[tag]
-    listed = json.loads(model.tags["mlflow.modelVersions"])
-    assert {"name": job.registered_model, "version": int(version.version)} in listed
-    # The model's page has the gate's metrics, with the rows they were measured on.
+    assert [i.model_id for i in publish_run.inputs.model_inputs] == [model_id]
+    assert not publish_run.outputs or not publish_run.outputs.model_outputs
     on_model = {m.key: m for m in model.metrics}
-    assert on_model["publish.holdout_auc"].value == metrics["publish.holdout_auc"]
-    assert on_model["publish.holdout_auc"].dataset_name == f"holdout[:{HOLDOUT_ROWS}]"
+    assert on_model["publish/holdout_auc"].value == metrics["publish/holdout_auc"]
+    assert on_model["publish/holdout_auc"].dataset_name == f"holdout[:{HOLDOUT_ROWS}]"
     assert set(on_model) == set(metrics)
+    gate = published["gate"]
+    assert gate["champion_version"] is None and gate["promoted"] is True
+    assert gate["candidate_auc"] == pytest.approx(metrics["publish/holdout_auc"], abs=1e-4)
 
     # The publisher's own spans, in the job's ledger next to the S3 anchor.
     s3_job_url = job.s3_anchor_url.rsplit("/checkpoints/", 1)[0]
@@ -240,6 +271,10 @@ def test_publishing_twice_yields_one_version(trained_job: TrainedJob, published:
         job.s3_anchor_url, step=20, mlflow_run_id=job.training_run_id, settings=SETTINGS
     )
     assert again.already_published and again.version == published["version"]
+    assert again.aliases == sorted(published["aliases"])  # as registered, not "none"
+    # The decision is not made again: it is read back from the model.
+    assert again.gate == published["gate"] and again.model_id == published["model_id"]
+    assert again.publish_run_id == published["publish_run_id"]
     key = resolve(job.s3_anchor_url).key
     same = MlflowClient(job.tracking_uri).search_model_versions(
         f"name = '{job.registered_model}' AND tags.anchor_key = '{key}'"
@@ -291,7 +326,9 @@ def test_nan_weights_register_nothing(
 
 
 def test_worse_model_is_candidate_not_champion(trained_job: TrainedJob, published: dict) -> None:
-    """An earlier checkpoint, with a margin no model can meet: registered, not promoted."""
+    """An earlier checkpoint, with a margin no model can meet: registered, not promoted. Its
+    job's run is not known (no run id, none tagged with its job): publishing makes its
+    LoggedModel, on the publish run."""
     job = trained_job
     result = publish(
         job.step10_url,
@@ -302,11 +339,27 @@ def test_worse_model_is_candidate_not_champion(trained_job: TrainedJob, publishe
     client = MlflowClient(job.tracking_uri)
     champion = client.get_model_version_by_alias(job.registered_model, "champion")
     assert champion.version == published["version"]
-    tags = client.get_model_version(job.registered_model, result.version).tags
-    assert tags["champion_version_at_publish"] == published["version"]
-    assert float(tags["champion_auc_at_publish"]) == pytest.approx(
-        published["metrics"]["publish.holdout_auc"], abs=1e-6
+    version = client.get_model_version(job.registered_model, result.version)
+    assert set(version.tags) == set(registry.VERSION_TAGS) and version.tags["promoted"] == "false"
+    gate = result.gate
+    assert gate is not None and gate["promoted"] is False
+    assert gate["champion_version"] == published["version"] and gate["margin"] == -1.0
+    assert gate["champion_auc"] == pytest.approx(
+        published["metrics"]["publish/holdout_auc"], abs=1e-4
     )
+    assert gate["champion_logloss"] == pytest.approx(
+        published["metrics"]["publish/holdout_logloss"], abs=1e-4
+    )
+    first = version.description.split("\n", 1)[0]
+    assert first == gate["reason"]
+    assert first.startswith(
+        f"kept as candidate: AUC {gate['candidate_auc']:.4f} vs {gate['champion_auc']:.4f} "
+        f"(champion v{published['version']}), short of the required gain 1"
+    )
+    model = client.get_logged_model(result.model_id)
+    assert model.name == f"ranker-{job.config.job_id}-step-10"
+    assert model.source_run_id == result.publish_run_id  # no training run to hang it on
+    assert version.source == f"models:/{result.model_id}"
 
 
 def test_interrupted_registration_is_completed_not_duplicated(
@@ -320,8 +373,7 @@ def test_interrupted_registration_is_completed_not_duplicated(
     url = f"file://{dst}"
     key = resolve(url).key
     client = MlflowClient(job.tracking_uri)
-    run = client.get_run(published["publish_run_id"])
-    model_id = run.outputs.model_outputs[0].model_id  # the model the first publish logged
+    model_id = published["model_id"]  # the model the first publish registered
     left = client.create_model_version(
         job.registered_model,
         source=f"models:/{model_id}",
@@ -362,9 +414,11 @@ def test_prefect_flow_publishes_once(
         first = publish_flow(**params)
         again = publish_flow(**{**params, "mlflow_run_id": ""})  # a template's "missing"
     assert not first["already_published"] and "candidate" in first["aliases"]
-    assert first["metrics"]["publish.parity_max_abs_diff"] <= 1e-5
+    assert first["metrics"]["publish/parity_max_abs_diff"] <= 1e-5
+    assert first["gate"]["reason"].startswith(("promoted to champion", "kept as candidate"))
     assert again["already_published"] and again["version"] == first["version"]
-    assert first["gate"]["promoted"] == first["promoted"] and again["gate"] is None  # no new one
+    assert first["gate"]["promoted"] == first["promoted"]
+    assert again["gate"] == first["gate"]  # the earlier decision, read back from the model
     spans = [
         e.name
         for e in read_events(JobLayout.at(f"file://{dst.parents[1]}"))
@@ -520,5 +574,7 @@ def test_publishing_uses_the_workers_mlflow_and_s3_never_the_checkpoints(
         mlflow_trap.close()
         s3_trap.close()
     assert mlflow_trap.received == [] and s3_trap.received == []
-    version = MlflowClient(job.tracking_uri).get_model_version(job.registered_model, result.version)
-    assert version.tags["anchor_uri"] == url and version.tags["publish_status"] == "complete"
+    client = MlflowClient(job.tracking_uri)
+    version = client.get_model_version(job.registered_model, result.version)
+    assert registry.anchor_uri_of(client, version) == url
+    assert version.tags["publish_status"] == "complete"

@@ -7,7 +7,9 @@ folder) and a crashed forked rank a ``pytorch-errorfile-*.pickle``; a warm stand
 released after it had parked left its checkpoint spool ``ett-ckpt-<job>-r0-p<pid>-*``, and
 so did a rank killed while uploading a checkpoint to S3 when no attempt came after it;
 Ctrl-C exited 143, and a second Ctrl-C landed inside the cleanup of the first and left the
-attempt's ``ett-a*`` control folders (and, with a hung attempt, its processes) behind.
+attempt's ``ett-a*`` control folders (and, with a hung attempt, its processes) behind. A job
+that failed with the in-memory tier on leaves no segment in /dev/shm: the orchestrator
+removes them whatever the outcome.
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ def test_a_job_out_of_retries_leaves_nothing(
 ) -> None:
     # A crash that the attempt does not recover in process ends the job (max_failures 0);
     # the rank dies of an exception, which torch.multiprocessing used to pickle into the
-    # temp folder.
+    # temp folder. Its in-memory copies (steps 2 and 4) are the ended job's to remove.
     _, job = start(
         started,
         tmp_path,
@@ -141,6 +143,7 @@ def test_a_job_out_of_retries_leaves_nothing(
         "0",
         steps=LONG,
         job_id="clean-fail",
+        checkpoint={"memory_tier": {"every_steps": 2}},
         recovery={"in_process_restart": False},
         faults=[{"kind": "crash", "step": 5, "attempt": 0}],
     )
@@ -153,7 +156,8 @@ def test_a_rank_killed_mid_upload_to_s3_leaves_no_spool(
     tmp_path: Path, data_url: str, started: list[EttTrain], s3_server: str
 ) -> None:
     # On an object store a checkpoint is written to a local spool, then uploaded: a SIGKILL
-    # in between leaves the whole checkpoint there, and the job ends (max_failures 0).
+    # in between leaves the whole checkpoint there, and the job ends (max_failures 0). The
+    # killed rank's in-memory copy of that step (written first) is left in /dev/shm too.
     storage_section = {"root": s3_root(), "s3_endpoint_url": s3_server}
     _, job = start(
         started,
@@ -164,6 +168,7 @@ def test_a_rank_killed_mid_upload_to_s3_leaves_no_spool(
         steps=LONG,
         job_id="clean-upload",
         storage=storage_section,
+        checkpoint={"memory_tier": True},
         faults=[{"kind": "sigkill_mid_upload", "step": 5, "attempt": 0}],
     )
     assert job.wait() == 128 + signal.SIGKILL, job.tail()

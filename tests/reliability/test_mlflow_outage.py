@@ -30,6 +30,7 @@ from mlflow import MlflowClient
 import flows.train_flow as train_module
 from infra.devstack import servers
 from infra.settings import JobConfig, dump_config
+from infra.tracking import metrics as names
 from tests.factories import ROOT, tiny_config, use_launcher, write_dataset
 
 pytestmark = pytest.mark.slow
@@ -201,11 +202,12 @@ def test_mlflow_stopped_mid_job_and_restarted(
     (run,) = _job_runs(client, config.job_id)  # one run per job, the one from before
     assert run.info.run_id == run_before.info.run_id == result["mlflow_run_id"]
     assert run.info.status == "FINISHED"
-    assert run.data.metrics["ett.num_failures"] == 1.0
-    assert run.data.metrics["ett.ett_pct"] == pytest.approx(result["report"]["ett_pct"])
+    assert run.data.metrics[names.NUM_FAILURES] == 1.0
+    assert run.data.metrics[names.ETT_PCT] == round(result["report"]["ett_pct"], 2)
     assert _attempts(client, run) == [("0", "crash", "FAILED"), ("1", "success", "FINISHED")]
     assert [a.path for a in client.list_artifacts(run.info.run_id, "ett")] == [
         "ett/breakdown.png",
+        "ett/buckets.json",
         "ett/report.json",
         "ett/report.md",
         "ett/report.txt",
@@ -244,8 +246,12 @@ def test_job_trained_while_mlflow_was_down_is_logged_by_ett_report_log(
     (run,) = _job_runs(client, config.job_id)
     assert f"to MLflow run {run.info.run_id}" in proc.stdout
     assert run.info.status == "FINISHED"
-    assert run.data.metrics["ett.num_failures"] == 1.0
-    assert run.data.metrics["ett.ett_pct"] == pytest.approx(outcome["report"]["ett_pct"])
+    assert run.data.metrics[names.NUM_FAILURES] == 1.0
+    assert run.data.metrics[names.ETT_PCT] == round(outcome["report"]["ett_pct"], 2)
     assert _attempts(client, run) == [("0", "crash", "FAILED"), ("1", "success", "FINISHED")]
+    # The anchor, logged late with the rest: a LoggedModel of the run at its step.
+    (output,) = run.outputs.model_outputs
+    assert output.step == 20
+    assert client.get_logged_model(output.model_id).name == f"ranker-{config.job_id}-step-20"
     exp = client.get_experiment(run.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"

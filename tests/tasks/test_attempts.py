@@ -159,6 +159,7 @@ def test_reports_say_what_became_of_an_attempt() -> None:
 
     crash = report(Outcome.CRASH, 1, 7)
     assert crash.describe() == "attempt 0: crash at step 7 (CRASH (1))"
+    assert crash.reason() == "attempt 0 failed: crash at step 7 (CRASH (1))"  # its task's state
     assert report(Outcome.HANG, -9, None).describe() == (
         "attempt 0: hang before step 1 (killed by SIGKILL)"
     )

@@ -317,7 +317,7 @@ def test_bad_rows_are_counted_logged_and_skipped(caplog):
     # 9 of 12 rows bad: far above the default limit, which tests/reliability covers.
     data = _tiny_config(url, max_bad_row_fraction=1.0, batch_size=3)  # the 3 good rows
     loader = TrainLoader(data, 0, 1, seed=0, prefetch=0)
-    with caplog.at_level(logging.WARNING, logger="trainer.data.shards"):
+    with caplog.at_level(logging.INFO, logger="trainer.data.shards"):
         batch = next(loader)
     assert loader.stats["bad_rows"] == 9
     assert batch.labels.tolist() == [1.0, 0.0, 0.0]
@@ -349,12 +349,14 @@ def test_history_truncation_keeps_the_most_recent_items(caplog):
     rows = [{**GOOD, "history": list(range(n))} for n in (0, 3, 4, 5, 9)]
     _write_rows(f"{url}/train/part-00000.parquet", rows)
     loader = TrainLoader(_tiny_config(url, max_history_len=4, batch_size=5), 0, 1, 0, prefetch=0)
-    with caplog.at_level(logging.WARNING, logger="trainer.data.shards"):
+    with caplog.at_level(logging.INFO, logger="trainer.data.shards"):
         batch, _ = next(loader), next(loader)
     assert batch.history_offsets.tolist() == [0, 0, 3, 7, 11, 15]
     assert batch.history_values[7:].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
     assert loader.stats["truncated_histories"] == 4  # two batches, two long rows each
-    assert caplog.text.count("max_history_len=4") == 1  # warned once
+    # Said once, at INFO: the configured cap at work, not a problem to filter for.
+    [said] = [r for r in caplog.records if "max_history_len=4" in r.getMessage()]
+    assert said.levelno == logging.INFO
 
 
 def test_meta_mismatch_names_the_field(tmp_path):

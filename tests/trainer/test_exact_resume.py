@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from infra import memory_tier
 from infra.accounting.ledger_format import Mark, Span
 from infra.accounting.ledger_read import read_events
 from infra.exit_codes import Outcome
@@ -24,7 +25,7 @@ from tests.factories import assert_bit_identical, resume_marks, tiny_config
 EVERY = 5
 
 
-def run_job(config: JobConfig, tmp_path: Path, nproc: int, standby: bool) -> JobOutcome:
+def run_job(config: JobConfig, tmp_path: Path, nproc: int, standby: bool, **env: str) -> JobOutcome:
     """The job through the orchestrator's attempt loop, as the flow and `ett train` run it."""
     sections = {
         "launch": {"nproc": nproc},
@@ -33,7 +34,7 @@ def run_job(config: JobConfig, tmp_path: Path, nproc: int, standby: bool) -> Job
     job = config.model_copy(
         update={k: getattr(config, k).model_copy(update=v) for k, v in sections.items()}
     )
-    return run(job, env={"OMP_NUM_THREADS": "1"}).outcome
+    return run(job, env={"OMP_NUM_THREADS": "1", **env}).outcome
 
 
 SECTIONS = {
@@ -113,6 +114,35 @@ def test_standby_promotion_and_in_process_restart_are_bit_identical(
     assert marks[2] == (2, 22, False)
     events = read_events(faulted.layout)
     assert {e.attempt for e in events if e.name == Mark.PROMOTED and e.rank == 0} == {1, 2}
+
+
+@pytest.mark.slow
+def test_in_memory_copies_restore_a_crash_and_a_kill_mid_copy_bit_identical(
+    tmp_path, data_url: str, clean: Callable[[int], JobConfig]
+) -> None:
+    """The in-memory tier on, a copy every 2 steps (durable every 5): the crash is restored
+    in process from the copy of step 8, not the commit of step 5; rank 0 SIGKILLed while
+    its copy of step 14 is half written leaves that copy torn, and the promoted standby
+    restores from the newest step both ranks hold whole (12). Nothing is left in /dev/shm."""
+    faults = [
+        {"kind": "crash", "step": 9, "attempt": 0},
+        {"kind": "sigkill_mid_memory_copy", "step": 14, "attempt": 0},
+    ]
+    memory = {"memory_tier": {"every_steps": 2}}
+    sections = {**SECTIONS, "checkpoint": {**SECTIONS["checkpoint"], **memory}}
+    data = {"url": data_url}
+    faulted = tiny_config(tmp_path, job_id="memtier", data=data, faults=faults, **sections)
+    # Slow steps: a commit is over before the next copy is due (a copy never waits for one).
+    outcome = run_job(faulted, tmp_path, 2, standby=True, ETT_FAULT_STEP_DELAY_S="0.1")
+    got = [(a.outcome, a.from_standby) for a in outcome.attempts]
+    assert got == [(Outcome.SIGKILL, False), (Outcome.SUCCESS, True)]
+    assert_bit_identical(clean(2), faulted, 25)
+    resumes = [e for e in read_events(faulted.layout) if e.name == Mark.RESUME and e.rank == 0]
+    assert [(e.attempt, e.step, e.attrs["how"], e.attrs["tier"]) for e in resumes] == [
+        (0, 8, "in_process", "memory"),
+        (1, 12, "promoted", "memory"),
+    ]
+    assert memory_tier.job_segments(faulted.layout) == []
 
 
 @pytest.mark.slow

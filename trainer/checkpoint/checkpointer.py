@@ -16,12 +16,20 @@ Modes (``checkpoint.mode``) decide how long the loop blocks:
 
 At most one checkpoint is in flight: a new save first waits for the previous one. Every
 save reads the registered state inside its blocking span, so building the state dicts is
-accounted as checkpoint time. How a written checkpoint becomes committed is commit.py's;
-the save on SIGTERM, held to ``checkpoint.preemption_budget_s``, is emergency.py's.
+accounted as checkpoint time.
+
+The in-memory tier (memory_tier.py) rides on the same staging: an in-memory copy is a
+staging copy written to this host's shared memory instead of to storage (``copy``, its own
+``memory_copy_blocking`` span), and a durable save in ``async_staged`` mode writes one too,
+from its staging copy, before its upload. Restore prefers it when it is newer (resume.py).
+
+How a written checkpoint becomes committed is commit.py's; the save on SIGTERM, held to
+``checkpoint.preemption_budget_s``, is emergency.py's.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -35,17 +43,20 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import StagingOptions
 
 from infra.accounting.ledger import Ledger
-from infra.accounting.ledger_format import ResumeHow, Span
+from infra.accounting.ledger_format import CheckpointTier, Mark, ResumeHow, Span
 from infra.checkpoint_manifest import CheckpointError
 from infra.settings import CheckpointMode, JobConfig
 from trainer.checkpoint import emergency
 from trainer.checkpoint.commit import AlreadyCommitted, CheckpointPhase, Committer
 from trainer.checkpoint.interval import FailureHistory
+from trainer.checkpoint.memory_tier import MemoryTier, memory_tier_of
 from trainer.checkpoint.resume import Resume, restore_states
 from trainer.checkpoint.schedule import SaveSchedule
 from trainer.checkpoint.staging import ShardedStateStager, Staging
 from trainer.checkpoint.state import CheckpointStates, Stateful
 from trainer.consensus import Agreed
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,6 +66,7 @@ class InFlight:
     staging: Staging | None  # async_staged: the copy, until it is known complete
     thread: threading.Thread  # finishes and commits it; async_staged: started once copied
     error: list[BaseException]
+    tier: CheckpointTier = CheckpointTier.DURABLE  # MEMORY: an in-memory copy only
 
 
 class Checkpointer:
@@ -74,13 +86,14 @@ class Checkpointer:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.ledger, self.pg, self.on_phase = ledger, process_group, on_phase
         self.commits = Committer(config, rank, world_size, ledger, process_group, on_phase)
+        self.memory: MemoryTier | None = memory_tier_of(config, rank, world_size)
         self.states: CheckpointStates | None = None
         self.schedule: SaveSchedule | None = None  # from ``start``: training has begun
         self._stager: ShardedStateStager | None = None
         self._inflight: InFlight | None = None
         self.abandoned: threading.Thread | None = None  # past the preemption budget
         self._step_began = 0.0  # the loop's current step, for its duration
-        self._committing = False  # ...and whether a commit ran as it began
+        self._committing: CheckpointTier | None = None  # ...and what was running as it began
 
     @property
     def failed_steps(self) -> list[int]:
@@ -117,7 +130,7 @@ class Checkpointer:
         the caller, who fetched the first batch from a peek at them meanwhile."""
         states = self.registered("restore")
         resume = restore_states(
-            self.config, states, self.rank, self.world_size, self.ledger, self.pg, how
+            self.config, states, self.rank, self.world_size, self.ledger, self.pg, how, self.memory
         )
         if how == ResumeHow.IN_PROCESS and resume.url is not None:
             states.load_rank_state(resume.rank_state or {})
@@ -140,6 +153,10 @@ class Checkpointer:
         """This rank's flag for the per-step consensus: rank 0's clock asks for a save."""
         return self._started().by_clock(step)
 
+    def copy_due_by_clock(self, step: int) -> bool:
+        """This rank's flag for an in-memory copy: rank 0's clock asks for one."""
+        return self._started().memory_by_clock(step)
+
     def maybe_save(self, step: int, agreed: Agreed) -> None:
         """At the step boundary after ``step``, with what every rank ``agreed`` on: save
         when the schedule says so (by step count and at eval steps on every rank alike, by
@@ -152,21 +169,32 @@ class Checkpointer:
             began = time.perf_counter()
             self.save(step)
             schedule.saved(step, time.perf_counter() - began)
+        elif not agreed.preempt and schedule.memory_due(step, agreed.memory):
+            began = time.perf_counter()
+            if self.copy(step):
+                schedule.copied(step, time.perf_counter() - began)
         if agreed.preempt:
             return
         began = time.perf_counter()
-        if self.wait_until_staged():
-            schedule.interval.staged(time.perf_counter() - began)
+        waited = self.wait_until_staged()
+        if waited is not None:
+            policy = schedule.memory if waited == CheckpointTier.MEMORY else schedule.interval
+            policy.staged(time.perf_counter() - began)
         # A commit that ends during the step still slowed it: asked before, and after.
-        self._committing = self.commit_running
+        self._committing = self._running_tier()
         self._step_began = time.perf_counter()
 
     def step_done(self) -> None:
-        """The step since ``maybe_save`` ran to its end: its time tells what a commit that
-        overlapped it cost."""
+        """The step since ``maybe_save`` ran to its end: its time tells what a commit (or an
+        in-memory copy) that overlapped it cost."""
         duration = time.perf_counter() - self._step_began
-        committing = self._committing or self.commit_running
-        self._started().interval.step_done(duration, committing)
+        running = {self._committing, self._running_tier()} - {None}
+        schedule = self._started()
+        for tier, policy in (
+            (CheckpointTier.DURABLE, schedule.interval),
+            (CheckpointTier.MEMORY, schedule.memory),
+        ):
+            policy.step_done(duration, tier in running, quiet=not running)
 
     # -- saving -----------------------------------------------------------------------------
     def _get_stager(self) -> ShardedStateStager:
@@ -214,6 +242,7 @@ class Checkpointer:
                 staging = self._get_stager().begin(state)
 
                 def write_staged() -> None:
+                    self._write_copy(step, staging, extra)  # the in-memory tier first
                     commits.refuse_if_committed(step)
                     writer = commits.prepare(step, extra)
                     dcp.save(staging.state_dict(), storage_writer=writer, process_group=self.pg)
@@ -243,6 +272,55 @@ class Checkpointer:
             thread = self._commit_thread(step, anchor, nonce, error, upload.result)
             thread.start()
             self._inflight = InFlight(step, anchor, None, thread, error)
+
+    def copy(self, step: int) -> bool:
+        """An in-memory copy of the registered state at ``step``: staged as a checkpoint
+        is, then written to shared memory on its own thread. Skipped (False) while a
+        checkpoint is still in flight: its staging buffers are in use, and the next step
+        boundary asks again."""
+        states = self.registered(f"in-memory copy at step {step}")
+        if self.memory is None:
+            return False
+        inflight = self._inflight
+        if inflight is not None:
+            if inflight.staging is not None or inflight.thread.is_alive():
+                return False
+            self.wait_for_inflight()
+        with self.ledger.span(Span.MEMORY_COPY_BLOCKING, step=step):
+            state, extra = states.read()
+            staging = self._get_stager().begin(state)
+            thread = threading.Thread(
+                target=self._write_copy,
+                args=(step, staging, extra),
+                name=f"ckpt-memory-{step}",
+                daemon=True,
+            )
+            self._inflight = InFlight(step, False, staging, thread, [], CheckpointTier.MEMORY)
+        return True
+
+    def _write_copy(self, step: int, staging: Staging, extra: dict[str, Any]) -> None:
+        """Write the staged state to the in-memory tier; a failure is logged and marked,
+        never raised (the durable tier and training go on)."""
+        if self.memory is None:
+            return
+        try:
+            written = self.memory.write(
+                step,
+                staging.staged(),
+                {"step": step, **extra},
+                midway=lambda: self.on_phase(CheckpointPhase.MEMORY_MIDWAY, step),
+            )
+        except Exception as exc:  # noqa: BLE001 - a lost copy costs only redone steps
+            log.warning("in-memory copy at step %d failed: %s", step, exc)
+            self.ledger.mark(Mark.MEMORY_COPY, step=step, error=f"{type(exc).__name__}: {exc}")
+            return
+        self.ledger.mark(
+            Mark.MEMORY_COPY,
+            step=step,
+            seq=written.seq,
+            bytes=written.bytes,
+            write_s=round(written.seconds, 6),
+        )
 
     def _commit_thread(
         self,
@@ -284,24 +362,33 @@ class Checkpointer:
             return
         wait([inflight.staging.copied])
         inflight.staging = None
-        self.on_phase(CheckpointPhase.STAGED, inflight.step)
+        if inflight.tier == CheckpointTier.DURABLE:
+            self.on_phase(CheckpointPhase.STAGED, inflight.step)
         inflight.thread.start()
 
-    def wait_until_staged(self) -> bool:
+    def wait_until_staged(self) -> CheckpointTier | None:
         """Before the weights change again (next step), the staging copy must be complete.
-        Returns whether there was a copy to wait for."""
+        Returns the tier of the copy waited for, None when there was none."""
         inflight = self._inflight
         if inflight is None or inflight.staging is None:
-            return False
-        with self.ledger.span(Span.CHECKPOINT_BLOCKING, step=inflight.step, phase="staging"):
+            return None
+        memory = inflight.tier == CheckpointTier.MEMORY
+        span = Span.MEMORY_COPY_BLOCKING if memory else Span.CHECKPOINT_BLOCKING
+        with self.ledger.span(span, step=inflight.step, phase="staging"):
             self._release_staged(inflight)
-        return True
+        return inflight.tier
+
+    def _running_tier(self) -> CheckpointTier | None:
+        """The tier of the copy staging or being written in the background, if any."""
+        inflight = self._inflight
+        if inflight is None or (inflight.staging is None and not inflight.thread.is_alive()):
+            return None
+        return inflight.tier
 
     @property
     def commit_running(self) -> bool:
-        """A checkpoint is staging or committing in the background right now."""
-        inflight = self._inflight
-        return inflight is not None and (inflight.staging is not None or inflight.thread.is_alive())
+        """A checkpoint (or an in-memory copy) is staging or committing in the background."""
+        return self._running_tier() is not None
 
     @property
     def inflight(self) -> InFlight | None:
@@ -337,3 +424,9 @@ class Checkpointer:
                 self._stager.close()
                 self._stager = None
             self.commits.close()
+
+    def drop_memory_tier(self) -> None:
+        """Remove this rank's in-memory copies: the job needs them no more (it ended), or
+        nobody would (no orchestrator to relaunch it, nor to remove them)."""
+        if self.memory is not None:
+            self.memory.remove()

@@ -65,6 +65,7 @@ class CheckpointPhase(StrEnum):
     WRITTEN = "written"  # DCP wrote this rank's files locally
     UPLOADED = "uploaded"  # ...and they are stored
     BEFORE_MANIFEST = "before_manifest"  # rank 0, every rank done: the commit is next
+    MEMORY_MIDWAY = "memory_midway"  # an in-memory copy half written (memory_tier.py)
 
 
 class SaveOutcome(StrEnum):

@@ -21,6 +21,10 @@ really costs this job, measured as it trains:
 Every change of interval is a ``checkpoint_interval`` ledger mark with its reason and inputs,
 so the report shows what was chosen and why. With ``every_steps: N`` and/or
 ``every_seconds: S`` the interval is fixed, as configured.
+
+The in-memory tier (memory_tier.py) has a policy of its own, the same one: its cost is its
+own copies' blocking and overlap, its fields ``checkpoint.memory_tier.every_steps``,
+``every_seconds`` and ``cost_budget``; its marks say ``tier: memory``.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from infra.accounting.ledger import Ledger
-from infra.accounting.ledger_format import Mark
+from infra.accounting.ledger_format import CheckpointTier, Mark
 from infra.settings import CheckpointConfig, CheckpointMode
 from infra.whatif.advisor import young_interval
 
@@ -79,10 +83,18 @@ class IntervalPolicy:
         ledger: Ledger,
         history: FailureHistory = FailureHistory(),  # noqa: B008 - frozen
         clock: Callable[[], float] = time.time,
+        tier: CheckpointTier = CheckpointTier.DURABLE,
     ) -> None:
         self.config, self.total_steps, self.ledger = config, total_steps, ledger
-        self.history, self.clock = history, clock
-        self.auto = config.every_steps == "auto"
+        self.history, self.clock, self.tier = history, clock, tier
+        # The same policy for either tier, each from its own fields and measurements.
+        own = config.memory_tier if tier == CheckpointTier.MEMORY else config
+        self.every_steps, self.every_seconds = own.every_steps, own.every_seconds
+        self.cost_budget = own.cost_budget
+        self.off = config.mode == CheckpointMode.OFF or (
+            tier == CheckpointTier.MEMORY and not config.memory_tier.enabled
+        )
+        self.auto = self.every_steps == "auto"
         self.interval_s: float | None = FIRST_AUTO_CHECKPOINT_S if self.auto else None
         self.reason = IntervalReason.FIRST if self.auto else IntervalReason.FIXED
         self._last_save = clock()
@@ -98,20 +110,20 @@ class IntervalPolicy:
     def due_at(self, step: int) -> bool:
         """Checkpoint after ``step`` by the step count (``every_steps: N``): every rank
         computes the same answer. The last step never is: it gets the anchor."""
-        if self.config.mode == CheckpointMode.OFF or step >= self.total_steps:
+        if self.off or step >= self.total_steps:
             return False
-        every = self.config.every_steps
+        every = self.every_steps
         return not self.auto and isinstance(every, int) and step % every == 0
 
     def due_by_clock(self) -> bool:
         """Checkpoint now by the clock (``auto``, ``every_seconds``)? Ranks differ in their
         clocks: only rank 0's answer counts, agreed through trainer/consensus.py."""
-        if self.config.mode == CheckpointMode.OFF:
+        if self.off:
             return False
         elapsed = self.clock() - self._last_save
         if self.auto:
             return self.interval_s is not None and elapsed >= self.interval_s
-        secs = self.config.every_seconds
+        secs = self.every_seconds
         return secs is not None and elapsed >= secs
 
     # -- measuring -------------------------------------------------------------------------
@@ -122,17 +134,24 @@ class IntervalPolicy:
         self._blocking.append(blocking_s)
         self._open = (now, 0.0)
 
+    def taken_elsewhere(self) -> None:
+        """A copy of this tier came with the other tier's save (a durable save writes the
+        in-memory copy too): the interval starts again, and nothing is measured."""
+        self._last_save = self.clock()
+
     def staged(self, blocking_s: float) -> None:
         """The loop blocked ``blocking_s`` more, waiting for the staging copy."""
         if self._blocking:
             self._blocking[-1] += blocking_s
             self._last_save = self.clock()
 
-    def step_done(self, duration_s: float, commit_running: bool) -> None:
-        """One training step took ``duration_s``; was a checkpoint committing during any
-        part of it (at its start or at its end)?"""
+    def step_done(self, duration_s: float, commit_running: bool, quiet: bool = True) -> None:
+        """One training step took ``duration_s``; was a checkpoint of this tier committing
+        during any part of it (at its start or at its end)? ``quiet``: nor one of the other
+        tier (only a quiet step is the baseline the overlap is measured against)."""
         if not commit_running:
-            self._quiet_steps.append(duration_s)
+            if quiet:
+                self._quiet_steps.append(duration_s)
             if self._open is not None:  # the commit ended during the previous step
                 start, extra = self._open
                 self._open = None
@@ -164,7 +183,7 @@ class IntervalPolicy:
         if mtbf is not None:
             interval, reason = young_interval(cost, mtbf), IntervalReason.YOUNG
         else:
-            interval, reason = cost / self.config.cost_budget, IntervalReason.BUDGET
+            interval, reason = cost / self.cost_budget, IntervalReason.BUDGET
         upload = statistics.median(self._commit) if self._commit else 0.0
         if upload > interval:
             interval, reason = upload, IntervalReason.UPLOAD
@@ -180,12 +199,13 @@ class IntervalPolicy:
         steps = None
         if self.auto and self.interval_s and step_s:
             steps = max(1, math.ceil(self.interval_s / step_s))
-        elif not self.auto and isinstance(self.config.every_steps, int):
-            steps = self.config.every_steps
+        elif not self.auto and isinstance(self.every_steps, int):
+            steps = self.every_steps
         self.ledger.mark(
             Mark.CHECKPOINT_INTERVAL,
+            tier=str(self.tier),
             reason=str(self.reason),
-            interval_s=self.interval_s if self.auto else self.config.every_seconds,
+            interval_s=self.interval_s if self.auto else self.every_seconds,
             interval_steps=steps,
             cost_s=cost_s,
             blocking_s=statistics.median(self._blocking) if self._blocking else None,
@@ -193,5 +213,5 @@ class IntervalPolicy:
             upload_s=upload_s,
             mtbf_s=mtbf_s,
             failures=self.history.failures,
-            budget=self.config.cost_budget if self.auto else None,
+            budget=self.cost_budget if self.auto else None,
         )

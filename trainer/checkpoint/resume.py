@@ -4,6 +4,12 @@
 loading into the states the checkpointer saves from; ``peek_resume`` reads only the small
 JSON state of the checkpoint restore will most likely pick, so the first batch can be
 fetched while the model is still being restored.
+
+Two tiers, newest valid first: this host's in-memory copies (memory_tier.py), then the
+committed checkpoints on durable storage. An in-memory copy is restored only when every rank
+holds a valid one of the same step and that step is not older than the newest durable
+commit; every other copy (torn, stale, another job's) is ignored with one log line, and
+dropped once the restore is done, so that a later restore can never go back to it.
 """
 
 from __future__ import annotations
@@ -17,9 +23,10 @@ import torch.distributed as dist
 
 from infra import storage
 from infra.accounting.ledger import Ledger
-from infra.accounting.ledger_format import Mark, ResumeHow
+from infra.accounting.ledger_format import CheckpointTier, Mark, ResumeHow
 from infra.checkpoint_manifest import CheckpointError, rank_state_name
 from infra.settings import JobConfig
+from trainer.checkpoint.memory_tier import MemoryCopy, MemoryTier, TornCopy, fill, memory_tier_of
 from trainer.checkpoint.restore import candidates, check_compatible, json_rank, restore
 from trainer.checkpoint.retention import purge_uncommitted
 from trainer.checkpoint.state import LOADER, MODEL, CheckpointStates
@@ -33,7 +40,8 @@ class Resume:
 
     step: int = 0
     rank_state: dict[str, Any] | None = None
-    url: str | None = None
+    url: str | None = None  # the checkpoint, or the in-memory copy's segment
+    tier: CheckpointTier = CheckpointTier.DURABLE
 
     @property
     def loader(self) -> dict[str, Any] | None:
@@ -49,7 +57,17 @@ def peek_resume(config: JobConfig, rank: int, world_size: int) -> Resume | None:
     """The step and data position restore will most likely continue from, read from the
     checkpoint's small JSON state only (no tensors, no checksums); None if unsure."""
     try:
-        for ckpt in candidates(config):
+        found = candidates(config)
+        # One rank's copies say nothing of the others' (the ranks agree on a copy only in
+        # restore), and ranks that guess differently re-fetch their first batch apart,
+        # which the batch balancer's exchange cannot take: with several ranks, the same
+        # guess everywhere, from durable storage.
+        memory = memory_tier_of(config, rank, world_size) if world_size == 1 else None
+        peeked = memory.peek() if memory is not None else None
+        if peeked is not None and (not found or peeked[0] >= found[0].step):
+            step, extra = peeked
+            return Resume(step, _rank_state(extra), tier=CheckpointTier.MEMORY)
+        for ckpt in found:
             try:
                 check_compatible(ckpt, config, world_size)
             except CheckpointError:
@@ -71,16 +89,40 @@ def restore_states(
     ledger: Ledger,
     group: dist.ProcessGroup | None,
     how: ResumeHow = ResumeHow.COLD,
+    memory: MemoryTier | None = None,
 ) -> Resume:
-    """Load the newest usable checkpoint into the tensor states (model, optimizer, RNG);
-    returns where the loop continues and this rank's JSON state (the JSON parts themselves
-    are left alone). The ``resume`` mark names the checkpoint, how this restore came about
-    and every newer checkpoint it skipped, and why."""
+    """Load the newest usable state into the tensor states (model, optimizer, RNG): the
+    in-memory tier's copy when every rank has a valid one at least as new as the newest
+    durable commit, else the newest usable committed checkpoint. Returns where the loop
+    continues and this rank's JSON state (the JSON parts themselves are left alone). The
+    ``resume`` mark names the copy or checkpoint, its tier, how this restore came about and
+    every newer checkpoint it skipped, and why."""
     in_process = how == ResumeHow.IN_PROCESS
     if rank == 0 and not in_process:
         purge_uncommitted(config.layout)
     dist.barrier(group=group)
     target = states.load_target()
+    if memory is not None:
+        copied = _restore_memory(config, memory, target, group)
+        memory.keep_only(copied[0] if copied else None)
+        if copied is not None:
+            copy, extra = copied
+            states.load(target)
+            url, step = copy.path, int(extra["step"])
+            ledger.mark(
+                Mark.RESUME,
+                step=step,
+                url=url,
+                tier=CheckpointTier.MEMORY,
+                seq=copy.header.seq,
+                in_process=in_process,
+                how=how,
+                newest_step=step,
+                skipped=[],
+            )
+            if rank == 0:
+                log.info("resumed from the in-memory copy %s at step %d", url, step)
+            return Resume(step, _rank_state(extra), url, CheckpointTier.MEMORY)
     restored = restore(config, target, rank, world_size, group)
     if restored is None:
         return Resume()
@@ -96,6 +138,7 @@ def restore_states(
         Mark.RESUME,
         step=step,
         url=restored.checkpoint.url,
+        tier=CheckpointTier.DURABLE,
         in_process=in_process,
         how=how,
         newest_step=newest,
@@ -116,3 +159,50 @@ def restore_states(
         )
         log.info("resumed from %s at step %d%s", restored.checkpoint.url, step, fell_back)
     return Resume(step, _rank_state(restored.extra), restored.checkpoint.url)
+
+
+def _gather(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's ``value`` (just this one's without a process group)."""
+    if not dist.is_initialized():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def _restore_memory(
+    config: JobConfig, memory: MemoryTier, target: dict[str, Any], group: dist.ProcessGroup | None
+) -> tuple[MemoryCopy, dict[str, Any]] | None:
+    """Fill ``target`` from the newest step every rank holds a valid in-memory copy of, not
+    older than the newest durable commit; None (nothing filled) when there is none. Every
+    rank calls it: the ranks agree on the step, then on whether every copy of it loaded."""
+    if config.checkpoint.resume != "latest":
+        return None  # a named checkpoint, or none: the config says where to start
+    found = candidates(config)
+    durable = found[0].step if found else 0
+    mine = []
+    for copy in memory.copies():
+        if copy.step < durable:
+            log.warning(
+                "memory tier: %s ignored: step %d is older than the newest durable commit (%d)",
+                copy.path,
+                copy.step,
+                durable,
+            )
+        else:
+            mine.append(copy)
+    held = _gather(sorted({c.step for c in mine}), group)
+    common = sorted(set.intersection(*(set(steps) for steps in held)), reverse=True)
+    for step in common:
+        copy = next(c for c in mine if c.step == step)
+        loaded = None
+        try:
+            tensors, extra = memory.load(copy)
+            fill(target, tensors)
+            loaded = extra
+        except (TornCopy, OSError, RuntimeError, ValueError, KeyError) as exc:
+            log.warning("memory tier: %s ignored: %s", copy.path, exc)
+        if all(_gather(loaded is not None, group)):
+            assert loaded is not None
+            return copy, loaded
+    return None

@@ -83,10 +83,15 @@ class Staging:
         self.copied = copied
         self._plain, self._sharded, self._ready = plain, sharded, ready
 
-    def state_dict(self) -> dict[str, Any]:
+    def staged(self) -> Any:
+        """The staged copy as plain tensors (a ShardedTensor as the list of its local
+        shards, under ``__sharded_local__``), once it has landed in host memory."""
         staged = self.copied.result()
         self._ready()
-        return _join(staged, self._plain, self._sharded)
+        return staged
+
+    def state_dict(self) -> dict[str, Any]:
+        return _join(self.staged(), self._plain, self._sharded)
 
 
 def _leaves(tree: Any, path: tuple = ()) -> list[tuple[tuple, torch.Tensor]]:

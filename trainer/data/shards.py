@@ -164,9 +164,9 @@ class ShardReader:
             counts["truncated_histories"] += cut
             raw += win.raw
             good += len(rows)
-            if cut and not self.warned_truncation:
+            if cut and not self.warned_truncation:  # the configured cap at work: INFO
                 self.warned_truncation = True
-                log.warning(
+                log.info(
                     "data: histories longer than data.max_history_len=%d (first in %s): keeping "
                     "the most recent items; counted in stats['truncated_histories']",
                     self.data.max_history_len,

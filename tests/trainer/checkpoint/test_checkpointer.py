@@ -82,7 +82,7 @@ def _config(tmp_path, mode: str) -> JobConfig:
     return load_config(
         job_id=f"direct-{mode}",
         storage={"root": f"file://{tmp_path}/store"},
-        checkpoint={"mode": mode, "every_steps": 1, "keep_latest_k": 2},
+        checkpoint={"mode": mode, "every_steps": 1, "keep_latest_k": 2, "memory_tier": False},
     )
 
 

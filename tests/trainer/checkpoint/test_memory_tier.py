@@ -1,0 +1,315 @@
+"""The in-memory tier: a copy in /dev/shm outlives the process that wrote it, a torn or
+foreign copy is never loaded, and restore takes a copy only when it is the newest valid
+state (newer than durable storage, this job's, this model's).
+
+The writer killed from outside is a real process SIGKILLed at random moments while it
+writes copies back to back; what the tests read back is checked value by value against
+what that step's copy holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from infra import memory_tier as segments
+from infra.accounting.ledger import Ledger
+from infra.accounting.ledger_format import CheckpointTier, Mark, ResumeHow, Span
+from infra.accounting.ledger_read import read_events
+from infra.job_layout import JobLayout
+from infra.memory_tier import Slot, TornHeader
+from infra.settings import JobConfig, load_config
+from tests.factories import ROOT
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.interval import FailureHistory
+from trainer.checkpoint.memory_tier import MemoryTier, TornCopy
+from trainer.checkpoint.state import RankState
+from trainer.consensus import Agreed
+
+ELEMENTS = 4 << 20  # 16 MB per copy: a write long enough to be killed in the middle of
+
+# Writes copies of steps after the newest valid one, back to back, each filled with its step
+# number; prints each step once its copy is complete. argv: job url, the step whose copy
+# it kills itself in the middle of (0: none).
+WRITER = f"""
+import os, signal, sys, torch
+from infra.job_layout import JobLayout
+from trainer.checkpoint.memory_tier import MemoryTier
+tier = MemoryTier(JobLayout.at(sys.argv[1]), "cfg", 0, 1)
+kill_at = int(sys.argv[2])
+copies = tier.copies(quiet=True)
+step = copies[0].step if copies else 0
+while True:
+    step += 1
+    def midway(step=step):
+        if step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+    tier.write(step, {{"w": torch.full(({ELEMENTS},), float(step))}}, {{"step": step}}, midway)
+    print(step, flush=True)
+"""
+
+
+class Writer:
+    """The writer above in its own process; ``complete`` is the newest step it reported.
+    Every writer is killed by the end of its test (``layout``), whatever the test found."""
+
+    started: list[Writer] = []
+
+    def __init__(self, layout: JobLayout, kill_at: int = 0) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", WRITER, layout.url, str(kill_at)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        Writer.started.append(self)
+        self.complete = 0
+
+    def wait_for(self, steps: int) -> None:
+        """Until ``steps`` more copies are complete."""
+        assert self.proc.stdout is not None
+        for _ in range(steps):
+            line = self.proc.stdout.readline()
+            assert line, f"the writer exited {self.proc.wait()}"
+            self.complete = int(line)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout.read().split():  # reported before the kill landed
+            self.complete = int(line)
+
+
+def _tier(layout: JobLayout, config_hash: str = "cfg", rank: int = 0) -> MemoryTier:
+    return MemoryTier(layout, config_hash, rank, 1)
+
+
+def _newest(tier: MemoryTier) -> tuple[int, torch.Tensor]:
+    """The newest copy that loads: its step and its tensor."""
+    for copy in tier.copies():
+        try:
+            tensors, extra = tier.load(copy)
+        except TornCopy:
+            continue
+        assert extra == {"step": copy.step}
+        return copy.step, tensors["w"]
+    raise AssertionError("no copy loads")
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> Any:
+    layout = JobLayout.for_job(f"file://{tmp_path}/store", "memtier")
+    yield layout
+    while Writer.started:
+        writer = Writer.started.pop()
+        writer.proc.kill()
+        writer.proc.wait()
+    segments.remove_segments(layout)
+
+
+def _mid_write(tier: MemoryTier, timeout_s: float = 60.0) -> None:
+    """Until a slot's header is invalid: its copy is being written right now."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for path in tier.paths.values():
+            with contextlib.suppress(FileNotFoundError), open(path, "rb") as fh:
+                if fh.read(len(segments.MAGIC)) != segments.MAGIC:
+                    return
+    raise AssertionError("no slot was ever seen being written")
+
+
+def test_a_writer_killed_at_random_moments_never_leaves_a_torn_copy_that_loads(layout) -> None:
+    """Half the kills at a random moment (mostly while a copy is serialised and hashed),
+    half as soon as a slot is seen being written (mostly while its bytes are)."""
+    rng = random.Random(28)
+    tier = _tier(layout)
+    newest, torn = 0, 0
+    for kill in range(6):
+        writer = Writer(layout)
+        writer.wait_for(2)
+        if kill % 2:
+            _mid_write(tier)
+        else:
+            time.sleep(rng.uniform(0.0, 0.15))
+        writer.kill()
+        step, tensor = _newest(tier)
+        # The newest complete copy survives the kill (or a newer one, completed unreported),
+        # and every value is its step's: nothing of a torn copy was loaded.
+        assert step >= writer.complete > newest
+        assert torch.equal(tensor, torch.full((ELEMENTS,), float(step)))
+        newest = step
+        torn += len(tier.copies(quiet=True)) < 2
+    assert torn, "no kill landed in the middle of a copy: the test proved nothing"
+    assert sorted(os.path.basename(p)[-1] for p in segments.job_segments(layout)) == ["a", "b"]
+
+
+def test_a_copy_killed_half_written_is_torn_and_the_other_slot_is_loaded(layout) -> None:
+    writer = Writer(layout, kill_at=3)
+    assert writer.proc.wait(timeout=120) == -signal.SIGKILL
+    tier = _tier(layout)
+    [copy] = tier.copies()  # the slot being written has no valid header
+    assert copy.step == 2
+    torn = next(p for s, p in tier.paths.items() if s != copy.slot)
+    with pytest.raises(TornHeader):
+        segments.read_header(torn)
+    assert _newest(tier)[0] == 2
+    # A slot whose bytes no longer match its digest is torn too, whatever its header says.
+    with open(copy.path, "r+b") as fh:
+        fh.seek(copy.header.total_bytes - 100)
+        fh.write(b"\x7f")
+    with pytest.raises(TornCopy, match="digest"):
+        tier.load(copy)
+
+
+def test_a_copy_of_another_job_model_or_rank_is_ignored(layout, tmp_path, caplog) -> None:
+    mine = _tier(layout)
+    same_id = JobLayout.for_job(f"file://{tmp_path}/other", "memtier")  # another storage root
+    for name, other in {
+        "another job": _tier(same_id),
+        "another model config": _tier(layout, config_hash="changed"),
+        "rank 1 of 2": MemoryTier(layout, "cfg", 1, 2),
+    }.items():
+        written = other.write(7, {"w": torch.ones(2)}, {"step": 7})
+        os.replace(written.path, mine.paths[Slot.A])  # where this rank's copy would be
+        with caplog.at_level(logging.WARNING):
+            assert mine.copies() == []
+        assert name in caplog.text
+        caplog.clear()
+    assert segments.job_segments(same_id) == []
+
+
+# -- restore, through the checkpointer ---------------------------------------------------------
+class Part:
+    """A live state part: tensors changed in place by training, loaded back by a restore."""
+
+    def __init__(self, value: float) -> None:
+        self.value = {"w": torch.full((8,), value)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.value
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value["w"].copy_(state["w"])
+
+
+class Position:
+    def __init__(self) -> None:
+        self.at = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"at": self.at}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.at = state["at"]
+
+
+def _config(tmp_path: Path, memory: dict[str, Any] | bool) -> JobConfig:
+    return load_config(
+        job_id="memtier",
+        storage={"root": f"file://{tmp_path}/store"},
+        train={"steps": 100, "eval": "off"},
+        checkpoint={"mode": "async_staged", "every_steps": 5, "memory_tier": memory},
+    )
+
+
+def _train(ckpt: Checkpointer, part: Part, position: Position, steps: range) -> None:
+    """The loop as the checkpointer sees it: a boundary, then a step that moves the state."""
+    for step in steps:
+        ckpt.maybe_save(step - 1, Agreed())
+        part.value["w"].fill_(float(step))
+        position.at = step
+        ckpt.step_done()
+        ckpt.wait_for_inflight()  # a slow step: nothing is in flight at the next boundary
+
+
+def _checkpointer(
+    tmp_path: Path, config: JobConfig, group: dist.ProcessGroup, attempt: int = 0
+) -> tuple[Checkpointer, Part, Position]:
+    ckpt = Checkpointer(config, 0, 1, Ledger(config.layout, attempt=attempt, rank=0), group)
+    part, position = Part(0.0), Position()
+    ckpt.register({"model": part, "loader": RankState(position)})
+    return ckpt, part, position
+
+
+def test_an_in_process_restore_takes_the_newest_in_memory_copy(tmp_path, group) -> None:
+    config = _config(tmp_path, {"every_steps": 2})
+    ckpt, part, position = _checkpointer(tmp_path, config, group)
+    try:
+        ckpt.start(0, FailureHistory())
+        _train(ckpt, part, position, range(1, 10))  # durable at 5; in memory at 2, 4, 5, 6, 8
+        resume = ckpt.restore(ResumeHow.IN_PROCESS)
+        assert (resume.step, resume.tier) == (8, CheckpointTier.MEMORY)
+        assert torch.equal(part.value["w"], torch.full((8,), 8.0)) and position.at == 8
+        # The copy restored from is kept, the other slot (step 6) dropped.
+        assert [c.step for c in ckpt.memory.copies()] == [8]
+    finally:
+        ckpt.close()
+        ckpt.drop_memory_tier()
+    events = read_events(config.layout)
+    copies = [e.step for e in events if e.name == Mark.MEMORY_COPY]
+    assert copies == [2, 4, 5, 6, 8]
+    assert {e.step for e in events if e.name == Span.MEMORY_COPY_BLOCKING} == {2, 4, 6, 8}
+    [mark] = [e for e in events if e.name == Mark.RESUME]
+    assert (mark.step, mark.attrs["tier"], mark.attrs["how"]) == (8, "memory", "in_process")
+    assert segments.job_segments(config.layout) == []
+
+
+def test_a_copy_older_than_the_newest_durable_commit_is_ignored(tmp_path, group, caplog) -> None:
+    config = _config(tmp_path, {"every_steps": 2})
+    ckpt, part, position = _checkpointer(tmp_path, config, group)
+    try:
+        ckpt.start(0, FailureHistory())
+        _train(ckpt, part, position, range(1, 5))  # in memory at 2 and 4, nothing durable
+        ckpt.save(7)  # durable, from another timeline: newer than every copy
+        ckpt.wait_for_inflight()
+        ckpt.memory.keep_only(None)  # ...whose own copy (step 7) is gone
+        stale = ckpt.memory.write(3, {"model": {"w": torch.full((8,), 3.0)}}, {"step": 3})
+        assert [c.step for c in ckpt.memory.copies()] == [stale.step]
+        with caplog.at_level(logging.WARNING):
+            resume = ckpt.restore(ResumeHow.IN_PROCESS)
+        assert (resume.step, resume.tier) == (7, CheckpointTier.DURABLE)
+        assert "older than the newest durable commit" in caplog.text
+        assert ckpt.memory.copies() == []  # never considered again
+    finally:
+        ckpt.close()
+        ckpt.drop_memory_tier()
+
+
+def test_with_the_tier_off_nothing_is_written_to_shared_memory(tmp_path, group) -> None:
+    config = _config(tmp_path, False)
+    ckpt, part, position = _checkpointer(tmp_path, config, group)
+    try:
+        ckpt.start(0, FailureHistory())
+        _train(ckpt, part, position, range(1, 7))
+        assert ckpt.memory is None and segments.job_segments(config.layout) == []
+        assert ckpt.restore(ResumeHow.IN_PROCESS).tier == CheckpointTier.DURABLE
+    finally:
+        ckpt.close()
+
+
+@pytest.mark.parametrize(
+    ("memory", "error"),
+    [
+        ({"every_steps": 0}, "memory_tier.every_steps must be >= 1"),
+        ({"every_steps": None}, "memory_tier.every_steps and memory_tier.every_seconds"),
+        ({"cost_budget": 0.9}, "cost_budget"),
+        ("sometimes", "memory_tier: Value error, must be true, false or a mapping"),
+    ],
+)
+def test_a_bad_memory_tier_config_is_a_clear_error(tmp_path, memory, error) -> None:
+    with pytest.raises(Exception, match=error):
+        _config(tmp_path, memory)
