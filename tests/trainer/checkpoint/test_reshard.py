@@ -105,3 +105,26 @@ def test_two_ranks_then_one_then_two_match_two_ranks_throughout(tmp_path: Path) 
     right = checkpoint_tensors(newest.url)
     assert left.keys() == right.keys()
     assert any(k.startswith("optim.") and "embedding" in k for k in left)
+
+
+def test_a_global_batch_two_ranks_cannot_share_is_refused_in_one_line(tmp_path: Path) -> None:
+    """The trainer refuses, before it trains a step, a data.batch_size its ranks cannot
+    share evenly: exit USAGE and one line naming both values (never another stream)."""
+    from infra.exit_codes import ExitCode
+
+    data_url = f"file://{tmp_path}/data"
+    config = tiny_config(
+        tmp_path, job_id="odd", data={"url": data_url, "batch_size": 65}, train={"steps": 5}
+    )
+    write_dataset(config)
+    result = run_trainer(config, tmp_path, nproc=2)
+    assert result.returncode == ExitCode.USAGE, result.stdout[-3000:]
+    said = [line for line in result.stdout.splitlines() if "cannot be split" in line]
+    assert said and all(
+        line.endswith(
+            "bad config: data.batch_size=65 (the global batch) cannot be split over "
+            "world_size=2 ranks: make it a multiple of the world size"
+        )
+        for line in said
+    ), said
+    assert not [e for e in read_events(config.layout) if e.name == "train_step"]
