@@ -577,6 +577,25 @@ BREAKS = (
             "tests/reliability/test_cleanup.py::test_a_rank_killed_mid_upload_to_s3_leaves_no_spool",
         ),
     ),
+    Break(
+        "B61",
+        "every rank takes the first share of each global batch (rows read twice, others never)",
+        "trainer/data/loader.py",
+        (("        lo = self.rank * self.rank_batch\n", "        lo = 0\n"),),
+        ("tests/trainer/test_data.py",),
+    ),
+    Break(
+        "B62",
+        "a rank beyond the checkpoint's writers asks for an RNG state of its own (none saved)",
+        "trainer/checkpoint/restore.py",
+        (
+            (
+                "    mine, src = rng_key(rank), rng_key(rank % written_by)\n",
+                "    mine, src = rng_key(rank), rng_key(rank)\n",
+            ),
+        ),
+        ("tests/trainer/checkpoint/test_reshard_state.py",),
+    ),
 )
 
 

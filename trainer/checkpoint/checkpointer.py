@@ -104,12 +104,16 @@ class Checkpointer:
         return self.commits.skipped_steps
 
     # -- what is saved ----------------------------------------------------------------------
-    def register(self, states: Mapping[str, Stateful]) -> None:
+    def register(
+        self, states: Mapping[str, Stateful], plan: Mapping[str, Any] | None = None
+    ) -> None:
         """What every save holds and every restore loads, given once: DCP saves each part's
         ``state_dict()`` tensors under its key (see state.py); parts wrapped in
         ``RankState`` go into this rank's JSON state beside the step. The objects are read
-        at each save, so they must be the live ones that training changes in place."""
+        at each save, so they must be the live ones that training changes in place.
+        ``plan``: how the tables are sharded, recorded in every manifest."""
         self.states = CheckpointStates(states)
+        self.commits.plan = dict(plan or {})
 
     def registered(self, what: str) -> CheckpointStates:
         """The registered states; RuntimeError naming ``what`` needed them if there are none."""
