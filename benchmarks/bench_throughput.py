@@ -75,7 +75,8 @@ WORKLOADS: dict[str, dict[str, dict[str, Any]]] = {
             "generator": {"rows": 200_000, "mean_history_len": 48.0},
         }
     },
-    # The same histories in 64-row batches: fewer rows per batch, more uneven work per rank.
+    # The same histories in 64-row global batches (data.batch_size is the global batch since
+    # issue 29: 32 rows a rank on 2 ranks): fewer rows per batch, more uneven work per rank.
     "long_history_b64": {
         "data": {
             "max_history_len": 512,
@@ -132,7 +133,7 @@ def measure(
         "run": run,
         "median_step_s": step_s,
         "median_step_s_by_rank": by_rank,
-        "examples_per_s": config.data.batch_size * nproc / step_s,
+        "examples_per_s": config.data.batch_size / step_s,  # the global batch, all ranks
         "model_flops_per_step": statistics.median(per_step.values()),
         "flops_max_over_mean": imbalance,
         "mfu_steady_pct": None if steady_mfu is None else 100 * steady_mfu,

@@ -97,6 +97,11 @@ class Manifest:
     anchor: bool = False
     job_id: str = ""
     nonce: str = ""  # the save that wrote it (matches its done-markers)
+    # What a restore on another world size may want to know (issue 29): how the writing
+    # ranks sharded each table ({table: {sharding_type, ranks}}), and the job's data
+    # position after the step (trainer/data/loader.py), the same on every rank.
+    plan: dict[str, Any] = field(default_factory=dict)
+    data_position: dict[str, int] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     versions: dict[str, str] = field(default_factory=library_versions)
     format_version: int = FORMAT_VERSION

@@ -110,6 +110,8 @@ class DataConfig(_Frozen):
     cat_vocab_sizes: Ints = (2000, 1000, 500, 200, 100, 50, 20, 10)
     item_vocab_size: int = Field(default=5000, ge=2)
     max_history_len: int = Field(default=64, ge=1, le=65_536)
+    # The global batch: M ranks take batch_size / M rows each (M must divide it), so the
+    # stream is the same on any world size (trainer/data/loader.py).
     batch_size: int = Field(default=1024, ge=1, le=1_048_576)
     eval_batch_size: int = Field(default=4096, ge=1, le=1_048_576)
     shuffle: bool = True

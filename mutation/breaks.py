@@ -582,6 +582,25 @@ BREAKS = (
         ),
     ),
     Break(
+        "B61",
+        "every rank takes the first share of each global batch (rows read twice, others never)",
+        "trainer/data/loader.py",
+        (("        lo = self.rank * self.rank_batch\n", "        lo = 0\n"),),
+        ("tests/trainer/test_data.py",),
+    ),
+    Break(
+        "B62",
+        "a rank beyond the checkpoint's writers asks for an RNG state of its own (none saved)",
+        "trainer/checkpoint/restore.py",
+        (
+            (
+                "    mine, src = rng_key(rank), rng_key(rank % written_by)\n",
+                "    mine, src = rng_key(rank), rng_key(rank)\n",
+            ),
+        ),
+        ("tests/trainer/checkpoint/test_reshard_state.py",),
+    ),
+    Break(
         "B66",
         "retention deletes the base and links a kept delta needs (chains broken)",
         "trainer/checkpoint/retention.py",
@@ -592,7 +611,12 @@ BREAKS = (
         "B67",
         "composing a delta writes none of its rows: the tables stay at the base",
         "trainer/checkpoint/delta.py",
-        (("                target.index_copy_(0, ids, rows)\n", "                pass\n"),),
+        (
+            (
+                "                    target.index_copy_(0, ids, rows)\n",
+                "                    pass\n",
+            ),
+        ),
         INCREMENTAL_TESTS,
     ),
     Break(

@@ -169,7 +169,9 @@ def warm_up(
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     with torch.enable_grad():
-        b = fast_batch(config, config.data.batch_size, device, train=True)
+        # A rank's share of the global batch: the shape its steps will have.
+        world = max(int(os.environ.get("WORLD_SIZE", "1")), 1)
+        b = fast_batch(config, max(config.data.batch_size // world, 1), device, train=True)
         logits = copy(b.dense, b.sparse)
         loss = nn.functional.binary_cross_entropy_with_logits(logits, b.labels)
         loss.backward()  # AOTAutograd compiles the backward lazily: force it now

@@ -141,14 +141,19 @@ def init_process_group(device: torch.device, backend: str, timeout_s: float = 60
     )
 
 
-def sharding_plan(model: torch.nn.Module, env: DistEnv) -> ShardingPlan:
+def sharding_plan(
+    model: torch.nn.Module,
+    env: DistEnv,
+    sharding_types: tuple[ShardingType, ...] = (ShardingType.TABLE_WISE,),
+) -> ShardingPlan:
     """Table-wise sharding for every table: each table lives whole on one rank, its rows
     updated by the fused optimizer there (small tables are not replicated data-parallel,
-    so every table has exactly one copy and one optimizer state to checkpoint)."""
+    so every table has exactly one copy and one optimizer state to checkpoint).
+    ``sharding_types``: what the planner may pick instead (the resharding tests)."""
     tables = [name for name, _ in model.named_parameters() if name.endswith(".weight")]
     constraints = {
         name.rsplit(".", 2)[-2]: ParameterConstraints(
-            sharding_types=[ShardingType.TABLE_WISE.value]
+            sharding_types=[t.value for t in sharding_types]
         )
         for name in tables
         if "embedding" in name
@@ -162,6 +167,18 @@ def sharding_plan(model: torch.nn.Module, env: DistEnv) -> ShardingPlan:
         constraints=constraints,
     )
     return planner.collective_plan(model, get_default_sharders(), dist.GroupMember.WORLD)
+
+
+def plan_summary(plan: ShardingPlan) -> dict[str, dict[str, object]]:
+    """The plan as plain data, for the manifest: each table's sharding type and ranks."""
+    return {
+        f"{module}.{param}" if module else param: {
+            "sharding_type": sharding.sharding_type,
+            "ranks": list(sharding.ranks or []),
+        }
+        for module, params in plan.plan.items()
+        for param, sharding in params.items()  # type: ignore[attr-defined]
+    }
 
 
 def import_functional_optimizers_unscripted() -> None:

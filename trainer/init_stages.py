@@ -80,6 +80,7 @@ from trainer.distributed import (
     build_host_model,
     has_cuda_context,
     init_process_group,
+    plan_summary,
     select_device,
     shard_train_module,
     sharding_plan,
@@ -420,7 +421,9 @@ class Initializer:
         # What every checkpoint of this attempt holds, registered once: the live objects,
         # loaded in place here and by an in-process restart (trainer/restart.py).
         states = train_states(self.model, self.optimizer, self.loader, self.env.rank)
-        self.checkpointer.register(states, embedding_tables(self.host_model))
+        self.checkpointer.register(
+            states, plan_summary(self.plan), embedding_tables(self.host_model)
+        )
         how = ResumeHow.PROMOTED if self.promoted else ResumeHow.COLD
         self.resume = self.checkpointer.restore(how)
         attrs["resumed_from_step"] = self.resume.step

@@ -263,6 +263,7 @@ def train(
                     pending = None
                     loss = train_step(model, optimizer, batch, env.device, checkpointer.track)
                     attrs["loss"] = round(loss, 6)
+                    attrs["rows_digest"] = batch.row_digest()  # the ranks' sum: the global batch's
                     attrs["flops"] = model_flops.of_batch(batch.history_offsets)
             except (DataError, StandbyReleased):
                 raise

@@ -91,6 +91,7 @@ from infra.accounting.records import (
     FailureRecord,
     InitBreakdown,
     LostStandby,
+    ResizeRecord,
     ResumeRecord,
     StandbyRecord,
     short_reason,
@@ -274,6 +275,20 @@ def _resumes(job: list[Event], t0: float) -> list[ResumeRecord]:
     return out
 
 
+def _resizes(job: list[Event], t0: float) -> list[ResizeRecord]:
+    """Every resume on another number of ranks than the checkpoint's writers (rank 0's)."""
+    return [
+        ResizeRecord(
+            attempt=e.attempt,
+            at=e.start - t0,
+            step=int(e.step or 0),
+            from_ranks=int(e.attrs.get("from_ranks", 0)),
+            to_ranks=int(e.attrs.get("to_ranks", 0)),
+        )
+        for e in sorted((e for e in job if e.name == Mark.RESIZE), key=lambda e: e.start)
+    ]
+
+
 def _fallback_redone(resumes: list[ResumeRecord], wasted: list[Event], t0: float) -> float:
     """Redone because a fallback went back past a newer commit: the executions, before the
     resume, of the steps after the checkpoint loaded up to the newest one skipped."""
@@ -443,6 +458,7 @@ def compute_report(
             for m, parked in lost
         ),
         resumes=tuple(resumes),
+        resizes=tuple(_resizes(job, t0)),
         fallback_redone_s=_fallback_redone(resumes, wasted, t0),
         redone_by_tier=_redone_by_tier(resumes, wasted, t0),
         memory_copies=ckpt.memory_copies,

@@ -79,6 +79,7 @@ class Mark(StrEnum):
     CHECKPOINT_INTERVAL = "checkpoint_interval"  # the interval chosen, and why
     FAILURE = "failure"
     RESUME = "resume"  # training state loaded: from which checkpoint, and what was skipped
+    RESIZE = "resize"  # ...written by another number of ranks than this attempt's: resharded
     CHECKPOINT_COMMITTED = "checkpoint_committed"
     CHECKPOINT_FAILED = "checkpoint_failed"
     MEMORY_COPY = "memory_copy"  # an in-memory copy written (in the background): its size, time

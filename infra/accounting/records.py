@@ -94,6 +94,25 @@ class ResumeRecord:
         return text
 
 
+@dataclass(frozen=True)
+class ResizeRecord:
+    """An attempt that resumed on another number of ranks than its checkpoint's writers (a
+    ``resize`` mark of rank 0): the tables and the data position were resharded."""
+
+    attempt: int
+    at: float  # seconds from W's start
+    step: int
+    from_ranks: int
+    to_ranks: int
+
+    def describe(self) -> str:
+        """``attempt 2 resized at step 10: 2 -> 1 ranks (resharded from the checkpoint)``."""
+        return (
+            f"attempt {self.attempt} resized at step {self.step}: {self.from_ranks} -> "
+            f"{self.to_ranks} ranks (resharded from the checkpoint)"
+        )
+
+
 def short_reason(reason: str) -> str:
     """A checkpoint error without the checkpoint's URL, which the record names already:
     ``checkpoint s3://b/j/step-000000150 is corrupt: checksum mismatch in x`` -> ``checksum
@@ -190,6 +209,7 @@ class EttReport:
     memory_copies: int = 0  # in-memory copies written (checkpoint_blocking has their blocking)
     memory_blocking_total_s: float = 0.0
     memory_interval_s: float | None = None  # the in-memory tier's last chosen interval
+    resizes: tuple[ResizeRecord, ...] = ()  # attempts that ran on another number of ranks
     # Durable commits by kind (full, delta): (commits, median bytes written).
     commit_bytes: dict[str, tuple[int, float]] = field(default_factory=dict)
     clock: ClockCheck = field(default_factory=ClockCheck)

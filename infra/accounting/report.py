@@ -159,6 +159,7 @@ def recovery_lines(r: EttReport) -> list[str]:
     """Every restore of training state and every standby lost, in the order they happened
     (``attempt 2 (promoted standby) resumed from step 125, step 150 quarantined: ...``)."""
     timed = [(res.at, res.describe()) for res in r.resumes]
+    timed += [(size.at, size.describe()) for size in r.resizes]
     timed += [
         (
             lost.lost_at,

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from infra import storage
+from infra.config_sources import ConfigError
 from infra.settings import DataConfig, GeneratorConfig
 from trainer.data import criteo, synthetic
 from trainer.data.decode import DataError
@@ -127,25 +128,33 @@ def test_roc_auc_matches_pairwise_definition():
 # --- loader: order, resume, sharding ---------------------------------------------------------
 
 
-def _epoch_keys(loader: TrainLoader, rows: int) -> list[float]:
-    """The next ``rows`` rows (a whole epoch when rows is the rank's row count)."""
-    keys: list[float] = []
-    while len(keys) < rows:
-        keys += _keys(next(loader))
-    assert len(keys) == rows  # batches never cross a shard (so never an epoch) boundary
-    return keys
+class _Rows:
+    """A loader's stream of row keys; ``take(rows)`` is the next ``rows`` of them (a whole
+    epoch when rows is the data set's row count). Global batches may cross an epoch's end,
+    so the rows past it are kept for the next call."""
+
+    def __init__(self, loader: TrainLoader) -> None:
+        self.loader, self.held = loader, []
+
+    def take(self, rows: int) -> list[float]:
+        while len(self.held) < rows:
+            self.held += _keys(next(self.loader))
+        keys, self.held = self.held[:rows], self.held[rows:]
+        return keys
 
 
 def test_each_epoch_covers_every_row_once_in_a_new_order(tmp_path, small_groups):
-    data = _config(f"file://{tmp_path}", rows=1000, shards=3)
+    data = _config(f"file://{tmp_path}", rows=1000, shards=3, batch_size=50)
     generate(data)
     loader = TrainLoader(data, rank=0, world_size=1, seed=3, window_rows=120)
-    e0, e1 = _epoch_keys(loader, 1000), _epoch_keys(loader, 1000)
+    rows = _Rows(loader)
+    e0, e1 = rows.take(1000), rows.take(1000)
     assert len(set(e0)) == 1000 and set(e0) == set(e1)
     assert e0 != e1  # reshuffled per epoch
     assert loader.state_dict()["epoch"] == 1
     unshuffled = TrainLoader(data.model_copy(update={"shuffle": False}), 0, 1, seed=3)
-    u0, u1 = _epoch_keys(unshuffled, 1000), _epoch_keys(unshuffled, 1000)
+    plain = _Rows(unshuffled)
+    u0, u1 = plain.take(1000), plain.take(1000)
     assert u0 == u1 != e0 and set(u0) == set(e0)
     # Rows are permuted within a shard, not just row groups / shards: almost no two rows
     # handed out one after the other are neighbours in the file.
@@ -163,19 +172,20 @@ def test_resume_is_exact_across_shard_and_epoch_boundaries(tmp_path, small_group
     generate(data)
     ref = TrainLoader(data, 0, 1, seed=11, prefetch=prefetch, window_rows=120)
     batches, states = [], []
-    for _ in range(40):  # 700 rows / 48 -> ~16 batches an epoch: 2.5 epochs
+    for _ in range(40):  # 700 rows / 48 -> ~15 batches an epoch: 2.7 epochs
         batches.append(next(ref))
         states.append(json.loads(json.dumps(ref.state_dict())))
-    assert ref.stats["rows"] == sum(len(b) for b in batches)  # handed out, not prefetched
+    assert ref.stats["rows"] == sum(len(b) for b in batches) == 40 * 48  # handed out only
     assert ref.stats["batches"] == 40
     ref.close()
     epochs = {s["epoch"] for s in states}
     assert epochs == {0, 1, 2}
-    short = [i for i, b in enumerate(batches) if len(b) < 48]  # last batches of shards
-    assert len(short) >= 6
-    # Cut right after a shard's last batch, right before one, mid-shard, and at the epoch end.
+    where = [(s["epoch"], s["shard_pos"]) for s in states]
+    # Batches that end in another shard than the one before them began in it: they span two.
+    spanning = [i for i in range(1, 40) if where[i] != where[i - 1]]
+    assert len(spanning) >= 6
     epoch_end = max(i for i, s in enumerate(states) if s["epoch"] == 0)
-    cuts = sorted({short[0], short[1] - 1, 5, epoch_end, epoch_end + 1, short[4]})
+    cuts = sorted({spanning[0], spanning[1] - 1, 5, epoch_end, epoch_end + 1, spanning[4]})
     for k in cuts:
         resumed = TrainLoader(data, 0, 1, seed=11, prefetch=2 - prefetch, window_rows=120)
         resumed.load_state_dict(states[k])
@@ -184,38 +194,85 @@ def test_resume_is_exact_across_shard_and_epoch_boundaries(tmp_path, small_group
         resumed.close()
 
 
-def test_state_is_small_and_checked(tmp_path):
+def test_state_is_small_global_and_checked(tmp_path):
     data = _config(f"file://{tmp_path}", rows=300, shards=2)
     generate(data)
     loader = TrainLoader(data, 0, 1, seed=1, prefetch=0)
     next(loader)
     state = loader.state_dict()
     assert set(state) >= {"epoch", "shard_pos", "row_offset"}
+    assert not set(state) & {"rank", "world_size"}  # the job's position, not a rank's
     assert all(isinstance(v, int) for v in state.values())
+    TrainLoader(data, 1, 2, seed=1).load_state_dict(state)  # any world size continues it
     with pytest.raises(DataError, match="seed"):
         TrainLoader(data, 0, 1, seed=2).load_state_dict(state)
-    with pytest.raises(DataError, match="world_size"):
-        TrainLoader(data, 0, 2, seed=1).load_state_dict(state)
     with pytest.raises(DataError, match="row_offset"):
         loader.load_state_dict({**state, "row_offset": -1})
+    # A one-rank job's position of version 1 is the same global position; a 2-rank one's is not.
+    old = {k: v for k, v in state.items() if k != "version"}
+    loader.load_state_dict({**old, "version": 1, "rank": 0, "world_size": 1})
+    with pytest.raises(DataError, match="version 1 .world_size=2. is not a global position"):
+        loader.load_state_dict({**old, "version": 1, "rank": 0, "world_size": 2})
 
 
-def test_two_ranks_read_disjoint_shards_covering_all_rows(tmp_path):
-    data = _config(f"file://{tmp_path}", rows=1000, shards=5)
-    generate(data)
-    per_rank = []
-    for rank in (0, 1):
-        loader = TrainLoader(data, rank, 2, seed=0)
-        assert len(loader.shards) == (3, 2)[rank]
-        assert all(int(u[-13:-8]) % 2 == rank for u in loader.shards)  # part-0000i.parquet
-        per_rank.append(_epoch_keys(loader, (600, 400)[rank]))
+def _global_batches(data: DataConfig, world_size: int, n: int, start=None) -> list[list[float]]:
+    """The next ``n`` global batches as a job of ``world_size`` ranks reads them: the ranks'
+    shares put back together in rank order."""
+    loaders = [TrainLoader(data, r, world_size, seed=5, window_rows=120) for r in range(world_size)]
+    for loader in loaders:
+        if start is not None:
+            loader.load_state_dict(start)
+    out = [[k for loader in loaders for k in _keys(next(loader))] for _ in range(n)]
+    states = {json.dumps(loader.state_dict()) for loader in loaders}
+    assert len(states) == 1  # every rank holds the same position
+    for loader in loaders:
         loader.close()
-    assert len(per_rank[0]) == 600 and len(per_rank[1]) == 400
-    assert not set(per_rank[0]) & set(per_rank[1])
+    return out, json.loads(states.pop())
+
+
+def _digest(batches: list[list[float]]) -> list[str]:
+    import hashlib
+
+    return [hashlib.sha256(np.asarray(sorted(b)).tobytes()).hexdigest()[:16] for b in batches]
+
+
+def test_global_batches_are_the_same_rows_on_one_rank_and_two(tmp_path, small_groups):
+    """A rank's share of global batch b depends only on b, M and its rank: the rows of every
+    global batch (their digest) are the same on 1, 2 and 4 ranks, and a job resumed on
+    another number of ranks consumes exactly the rows not yet consumed."""
+    data = _config(f"file://{tmp_path}", rows=1000, shards=5, batch_size=64)
+    generate(data)
+    one, _ = _global_batches(data, 1, 40)  # 2.5 epochs
+    two, _ = _global_batches(data, 2, 40)
+    four, _ = _global_batches(data, 4, 40)
+    assert one == two == four  # not only the same set: the same order
+    assert _digest(one) == _digest(two)
+    assert all(len(b) == 64 for b in one)
+    epoch0 = [k for b in one for k in b][:1000]
     everything = [k for b in stream_batches(data, "train", batch_size=1000) for k in _keys(b)]
-    assert sorted(per_rank[0] + per_rank[1]) == sorted(everything)  # disjoint and covering
-    with pytest.raises(DataError, match="rank 5 of 6 gets no shard"):
-        TrainLoader(data, 5, 6, seed=0)
+    assert sorted(epoch0) == sorted(everything)  # an epoch covers every row once
+    # 2 ranks to batch 13, 1 rank to batch 27, 2 ranks again to 40: the same 40 batches.
+    a, at13 = _global_batches(data, 2, 13)
+    b, at27 = _global_batches(data, 1, 14, start=at13)
+    c, _ = _global_batches(data, 2, 13, start=at27)
+    assert _digest(a + b + c) == _digest(two)
+    consumed = [k for batch in a + b + c for k in batch]
+    assert len(consumed) == 40 * 64
+    assert Counter(Counter(consumed).values()) == Counter(
+        Counter(k for x in two for k in x).values()
+    )
+
+
+def test_a_global_batch_the_ranks_cannot_share_evenly_is_refused_in_one_line(tmp_path):
+    data = _config(f"file://{tmp_path}", rows=300, shards=2, batch_size=100)
+    generate(data)
+    with pytest.raises(ConfigError) as info:
+        TrainLoader(data, 0, 3, seed=0)
+    assert str(info.value) == (
+        "data.batch_size=100 (the global batch) cannot be split over world_size=3 ranks: "
+        "make it a multiple of the world size"
+    )
+    assert [len(next(TrainLoader(data, r, 4, seed=0))) for r in range(4)] == [25] * 4
 
 
 # --- loader: validation ----------------------------------------------------------------------
@@ -258,7 +315,7 @@ def test_bad_rows_are_counted_logged_and_skipped(caplog):
     ]
     _write_rows(f"{url}/train/part-00000.parquet", rows)
     # 9 of 12 rows bad: far above the default limit, which tests/reliability covers.
-    data = _tiny_config(url, max_bad_row_fraction=1.0)
+    data = _tiny_config(url, max_bad_row_fraction=1.0, batch_size=3)  # the 3 good rows
     loader = TrainLoader(data, 0, 1, seed=0, prefetch=0)
     with caplog.at_level(logging.INFO, logger="trainer.data.shards"):
         batch = next(loader)
@@ -324,9 +381,8 @@ def _criteo_line(label: str = "1", ints=None, cats=None) -> str:
 
 
 def _criteo_config(url: str, **kw) -> DataConfig:
-    return DataConfig(
-        url=url, format="criteo", cat_vocab_sizes=(100,) * 26, batch_size=8, shuffle=False, **kw
-    )
+    base = {"batch_size": 8, "shuffle": False}
+    return DataConfig(url=url, format="criteo", cat_vocab_sizes=(100,) * 26, **{**base, **kw})
 
 
 def test_criteo_rows_parse_and_bad_lines_are_skipped(tmp_path, caplog):
@@ -341,7 +397,8 @@ def test_criteo_rows_parse_and_bad_lines_are_skipped(tmp_path, caplog):
     ]
     (tmp_path / "train").mkdir()
     (tmp_path / "train" / "day_0.tsv").write_text("".join(lines))
-    data = _criteo_config(f"file://{tmp_path}", max_bad_row_fraction=1.0)  # 4 of 7 bad
+    data = _criteo_config(f"file://{tmp_path}", max_bad_row_fraction=1.0, batch_size=3)
+    # 4 of 7 bad; a batch of the 3 good ones (a fourth row would be the next epoch's)
     loader = TrainLoader(data, 0, 1, seed=0, prefetch=0)
     with caplog.at_level(logging.WARNING):
         batch = next(loader)

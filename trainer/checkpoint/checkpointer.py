@@ -107,15 +107,20 @@ class Checkpointer:
 
     # -- what is saved ----------------------------------------------------------------------
     def register(
-        self, states: Mapping[str, Stateful], tables: Mapping[str, tuple[str, int]] | None = None
+        self,
+        states: Mapping[str, Stateful],
+        plan: Mapping[str, Any] | None = None,
+        tables: Mapping[str, tuple[str, int]] | None = None,
     ) -> None:
         """What every save holds and every restore loads, given once: DCP saves each part's
         ``state_dict()`` tensors under its key (see state.py); parts wrapped in
         ``RankState`` go into this rank's JSON state beside the step. The objects are read
         at each save, so they must be the live ones that training changes in place.
-        ``tables`` (feature -> table name, rows: delta.embedding_tables) lets durable
-        commits write only touched rows, when ``checkpoint.incremental`` is on."""
+        ``plan``: how the tables are sharded, recorded in every manifest. ``tables``
+        (feature -> table name, rows: delta.embedding_tables) lets durable commits write
+        only touched rows, when ``checkpoint.incremental`` is on."""
         self.states = CheckpointStates(states)
+        self.commits.plan = dict(plan or {})
         if self.config.checkpoint.incremental.enabled and tables:
             self.incremental = Incremental(
                 self.config.checkpoint.incremental, tables, self.world_size, self.pg

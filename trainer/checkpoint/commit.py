@@ -51,6 +51,7 @@ from infra.job_layout import step_dir_name
 from infra.settings import EvalMode, JobConfig, config_yaml
 from trainer.checkpoint.delta import Link, rows_file
 from trainer.checkpoint.retention import purge_old
+from trainer.checkpoint.state import LOADER
 from trainer.checkpoint.verify import sha256_file
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,8 @@ class Committer:
         # The config never changes: render its YAML once, not in every save's blocking time
         # (yaml's pure-Python emitter takes 10-30 ms, as long as staging 64 MB).
         self._config_yaml = config_yaml(config)
+        self.plan: dict[str, Any] = {}  # the tables' sharding, for the manifest (register)
+        self._positions: dict[int, dict[str, int]] = {}  # rank 0: step -> data position
 
     @property
     def spool(self) -> str:
@@ -211,6 +214,7 @@ class Committer:
         if self.rank == 0:
             with open(os.path.join(local_dir, "config.yaml"), "w") as fh:
                 fh.write(self._config_yaml)
+            self._positions[step] = dict(extra.get(LOADER) or {})
         return dcp.FileSystemWriter(local_dir, thread_count=2)
 
     def skipped(self, step: int, nonce: str) -> None:
@@ -292,6 +296,8 @@ class Committer:
                 raise CheckpointError(f"checkpoint {url}: not every rank finished its upload")
             time.sleep(0.05)
         files: dict[str, FileEntry] = {}
+        for older in [s for s in list(self._positions) if s < step]:  # saves that never committed
+            self._positions.pop(older, None)
         for marker in markers:
             files.update(
                 {n: FileEntry(**e) for n, e in json.loads(storage.read_text(marker)).items()}
@@ -305,6 +311,8 @@ class Committer:
             anchor=anchor,
             job_id=self.config.job_id,
             nonce=nonce,
+            plan=self.plan,
+            data_position=self._positions.pop(step, {}),
             **(
                 {}
                 if link is None

@@ -86,7 +86,8 @@ def load_chain(
                 local = fetch(link, tmp)
             except CheckpointCorrupt as exc:
                 raise ChainBroken(f"{exc} (a link of {ckpt.url})", link.step) from exc
-            payloads = read_rows(local, rank, every_rank=no_dist)
+            # Every rank's rows: this job may run on another number of ranks than wrote them.
+            payloads = read_rows(local, rank, every_rank=True)
             for payload in payloads:
                 apply_rows(state, payload)
             if link is not chain[-1]:

@@ -200,18 +200,25 @@ def apply_rows(state: Mapping[str, Any], payload: Mapping[str, Any]) -> None:
             if any(path.startswith(key + ".") for key in state):
                 raise  # the part is loaded and lacks a table: not this model's state
             continue
-        if isinstance(leaf, ShardedTensor):
-            local = {shard_key(shard): shard.tensor for shard in leaf.local_shards()}
-            for key, part in shards.items():
-                target = local[key]
-                ids, rows = part["ids"].to(target.device), part["rows"].to(target.device)
-                target.index_copy_(0, ids, rows)
-            continue
         for key, part in shards.items():
             first, col = (int(o) for o in key.split(",")[:2])
-            rows = part["rows"].to(leaf.device)
-            block = leaf[:, col : col + rows.shape[1]]
-            block.index_copy_(0, part["ids"].to(leaf.device) + first, rows)
+            global_ids = part["ids"] + first
+            if not isinstance(leaf, ShardedTensor):
+                rows = part["rows"].to(leaf.device)
+                block = leaf[:, col : col + rows.shape[1]]
+                block.index_copy_(0, global_ids.to(leaf.device), rows)
+                continue
+            # Written by any rank at any world size: each local shard takes the rows it holds.
+            for shard in leaf.local_shards():
+                start, start_col = shard.metadata.shard_offsets[:2]
+                if start_col != col:
+                    continue
+                held = (global_ids >= start) & (global_ids < start + shard.metadata.shard_sizes[0])
+                if held.any():
+                    target = shard.tensor
+                    ids = (global_ids[held] - start).to(target.device)
+                    rows = part["rows"][held].to(target.device)
+                    target.index_copy_(0, ids, rows)
 
 
 class Incremental:

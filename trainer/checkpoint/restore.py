@@ -8,8 +8,14 @@ Three kinds of trouble, three answers:
 * storage errors (5xx, timeouts, resets) while reading: retried by infra.storage; when
   they persist, infra.storage.StorageError ends the attempt as retryable
   (STORAGE_UNAVAILABLE). Falling back would silently throw away the newest work;
-* a checkpoint that does not fit this job (another model config, world size, or one DCP
-  cannot load): CheckpointError, which no relaunch fixes (CHECKPOINT_INCOMPATIBLE).
+* a checkpoint that does not fit this job (another model config, or one DCP cannot load):
+  CheckpointError, which no relaunch fixes (CHECKPOINT_INCOMPATIBLE).
+
+A checkpoint written by N ranks restores on any M >= 1 ranks: DCP reshards the tables and
+the fused optimizer's state (ShardedTensors, keyed by table as the model's weights) onto the
+plan the planner picks for M; the dense model and its optimizer are replicated; the step
+and the data position are the job's, not a rank's (trainer/data/loader.py), so every rank
+reads them from rank 0's JSON state; a rank N or above takes rank ``rank % N``'s RNG.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from infra.checkpoint_manifest import (
 )
 from infra.control import scratch_dir
 from infra.settings import CheckpointMode, JobConfig
+from trainer.checkpoint.state import rng_key
 from trainer.checkpoint.verify import quarantine, verify_files
 
 log = logging.getLogger(__name__)
@@ -70,12 +77,33 @@ def check_compatible(ckpt: CommittedCheckpoint, config: JobConfig, world_size: i
             f"checkpoint {ckpt.url} was made for another model config (hash "
             f"{ckpt.manifest.config_hash}, this job's is {config.model_hash()})"
         )
-    if ckpt.manifest.world_size != world_size:
+    if ckpt.manifest.world_size < 1:
         raise CheckpointError(
-            f"checkpoint {ckpt.url} was written by {ckpt.manifest.world_size} ranks, this job "
-            f"has {world_size}: the data position cannot be resharded; resume with "
-            f"{ckpt.manifest.world_size} ranks or warm-start from it (checkpoint.warm_start)"
+            f"checkpoint {ckpt.url} names world_size={ckpt.manifest.world_size} in its manifest"
         )
+
+
+def load_resharded(
+    state: dict[str, Any],
+    path: str,
+    rank: int,
+    written_by: int,
+    process_group: dist.ProcessGroup | None,
+    no_dist: bool = False,
+) -> None:
+    """``dcp.load`` of a local checkpoint written by ``written_by`` ranks into ``state``, on
+    any number of ranks: DCP reshards the tables and their optimizer state; a rank beyond
+    the writers' loads the RNG state of rank ``rank % written_by`` (the same inner dicts
+    under the saved key: DCP fills them in place)."""
+    mine, src = rng_key(rank), rng_key(rank % written_by)
+    target = {src if key == mine else key: part for key, part in state.items()}
+    dcp.load(target, checkpoint_id=path, process_group=process_group, no_dist=no_dist)
+
+
+def json_rank(ckpt: CommittedCheckpoint, rank: int, world_size: int | None) -> int:
+    """Whose JSON state this rank reads: its own at the same world size (None: the same),
+    else rank 0's (the step and the data position are the job's, the same on every rank)."""
+    return rank if world_size in (None, ckpt.manifest.world_size) else 0
 
 
 def fetch(ckpt: CommittedCheckpoint, into: str) -> str:
@@ -108,6 +136,7 @@ def load_into(
     rank: int,
     process_group: dist.ProcessGroup | None,
     no_dist: bool = False,
+    world_size: int | None = None,
 ) -> dict[str, Any]:
     """Verify the checkpoint, fill ``state`` in place, and return this rank's JSON state.
     Errors: see ``fetch``; a verified checkpoint DCP cannot load is a CheckpointError
@@ -124,8 +153,9 @@ def load_into(
     try:
         local = fetch(ckpt, tmp)
         try:
-            dcp.load(state, checkpoint_id=local, process_group=process_group, no_dist=no_dist)
-            extra_path = os.path.join(local, rank_state_name(rank))
+            written_by = ckpt.manifest.world_size
+            load_resharded(state, local, rank, written_by, process_group, no_dist)
+            extra_path = os.path.join(local, rank_state_name(json_rank(ckpt, rank, world_size)))
             if not os.path.exists(extra_path):
                 return {}
             with open(extra_path) as fh:
@@ -172,7 +202,7 @@ def restore(
             continue
         check_compatible(ckpt, config, world_size)
         try:
-            extra = load_into(ckpt, state, rank, process_group)
+            extra = load_into(ckpt, state, rank, process_group, world_size=world_size)
         except CheckpointCorrupt as exc:
             if not config.checkpoint.fallback_on_corrupt:
                 raise

@@ -27,7 +27,7 @@ from infra.accounting.ledger_format import CheckpointTier, Mark, ResumeHow
 from infra.checkpoint_manifest import CheckpointError, rank_state_name
 from infra.settings import JobConfig
 from trainer.checkpoint.memory_tier import MemoryCopy, MemoryTier, TornCopy, fill, memory_tier_of
-from trainer.checkpoint.restore import candidates, check_compatible, restore
+from trainer.checkpoint.restore import candidates, check_compatible, json_rank, restore
 from trainer.checkpoint.retention import purge_uncommitted
 from trainer.checkpoint.state import LOADER, MODEL, CheckpointStates
 
@@ -72,7 +72,8 @@ def peek_resume(config: JobConfig, rank: int, world_size: int) -> Resume | None:
                 check_compatible(ckpt, config, world_size)
             except CheckpointError:
                 continue  # restore skips it too (or fails the attempt)
-            extra = json.loads(storage.read_text(storage.join(ckpt.url, rank_state_name(rank))))
+            name = rank_state_name(json_rank(ckpt, rank, world_size))
+            extra = json.loads(storage.read_text(storage.join(ckpt.url, name)))
             return Resume(int(extra["step"]), _rank_state(extra), ckpt.url)
         return Resume()
     except Exception as exc:  # only a guess: restore decides
@@ -143,6 +144,14 @@ def restore_states(
         newest_step=newest,
         skipped=skipped,
     )
+    if restored.checkpoint.manifest.world_size != world_size:
+        ledger.mark(
+            Mark.RESIZE,
+            step=step,
+            url=restored.checkpoint.url,
+            from_ranks=restored.checkpoint.manifest.world_size,
+            to_ranks=world_size,
+        )
     if rank == 0:
         fell_back = "".join(
             f"; step {s.step} {'quarantined' if s.quarantined else 'skipped'}: {s.reason}"

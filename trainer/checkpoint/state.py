@@ -22,6 +22,11 @@ MODEL = "model"  # the part a warm start loads alone
 LOADER = "loader"  # the data position, in this rank's JSON state
 
 
+def rng_key(rank: int) -> str:
+    """The key a rank's RNG state is saved under."""
+    return f"rng_rank{rank}"
+
+
 class Stateful(Protocol):
     """One part of training, as a (nested) dict: read by a save, filled back by a restore."""
 
@@ -103,7 +108,7 @@ def train_states(model: torch.nn.Module, optimizer: Any, loader: Stateful, rank:
     return {
         MODEL: model,
         "optim": OptimizerTensors(optimizer),
-        f"rng_rank{rank}": RngState(),
+        rng_key(rank): RngState(),
         LOADER: RankState(loader),
     }
 

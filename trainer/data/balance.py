@@ -15,10 +15,11 @@ else is exchanged. The exchange runs on the thread that takes the
 batch from the loader, never on its prefetch thread: each rank makes exactly one exchange
 per batch taken, so a rank that stops early never leaves another blocked mid-exchange.
 
-Deterministic and resumable: the deal is a pure function of the ranks' batches, and each
-rank's loader position still counts the rows it read, so a resumed job re-reads the same
-batches and deals them the same way. The batch index goes along with the lengths: ranks
-that disagree on it (one re-fetched its first batch) fail loudly instead of mixing steps.
+Deterministic and resumable: the deal is a pure function of the ranks' batches, and the
+loader's position (the job's, trainer/data/loader.py) counts the global batches' rows, so
+a resumed job re-reads the same batches and deals them the same way. The batch index goes
+along with the lengths: ranks that disagree on it (one re-fetched its first batch) fail
+loudly instead of mixing steps.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 from infra.settings import JobConfig
 from trainer.data.batch import Batch
+from trainer.data.loader import rank_batch_size
 from trainer.distributed import DistEnv
 from trainer.flops import ModelFlops
 
@@ -132,7 +134,7 @@ class RankBalancer:
         lengths = np.diff(batch.history_offsets.numpy())
         n = lengths.size
         if n > self.capacity:
-            raise ValueError(f"a batch of {n} rows exceeds data.batch_size={self.capacity}")
+            raise ValueError(f"a batch of {n} rows exceeds a rank's share {self.capacity}")
         mine = torch.zeros(_HEADER + self.capacity, dtype=torch.int64)
         mine[0], mine[1] = index, n
         mine[_HEADER : _HEADER + n] = torch.from_numpy(lengths)
@@ -190,5 +192,5 @@ def make_balancer(config: JobConfig, env: DistEnv) -> RankBalancer | None:
         env.rank,
         env.world_size,
         ModelFlops.of(config.data, config.model),
-        config.data.batch_size,
+        rank_batch_size(config.data.batch_size, env.world_size),
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 
@@ -43,3 +44,17 @@ class Batch:
     def pin_memory(self) -> Batch:
         """Page-locked copy so the host-to-GPU copy can overlap compute (GPU only)."""
         return self._map(torch.Tensor.pin_memory)
+
+    def row_digest(self) -> int:
+        """An order-free digest of the batch's rows (a sum of per-row hashes, mod 2**64):
+        the ranks' digests of one global batch add up (mod 2**64) to the global batch's, however its
+        rows were split or re-dealt, so runs on different world sizes can be compared."""
+        bits = self.dense.contiguous().view(torch.int32).numpy().astype(np.uint64)
+        words = np.concatenate([bits, self.cat.numpy().astype(np.uint64)], axis=1)
+        mults = (np.arange(words.shape[1], dtype=np.uint64) * 2 + 1) * np.uint64(0x9E3779B97F4A7C15)
+        with np.errstate(over="ignore"):
+            row = (words * mults).sum(axis=1, dtype=np.uint64)
+            row ^= row >> np.uint64(31)
+            row *= np.uint64(0xBF58476D1CE4E5B9)
+            row ^= row >> np.uint64(29)
+            return int(row.sum(dtype=np.uint64))

@@ -153,9 +153,18 @@ def test_an_incompatible_checkpoint_is_an_error(tmp_path, group) -> None:
     )
     with pytest.raises(CheckpointError, match="another model config"):
         _restore(other_model, group)
-    with pytest.raises(CheckpointError, match="written by 1 ranks, this job has 2"):
-        _restore(config, group, world_size=2)
     assert _steps(config) == [1]
+
+
+def test_a_checkpoint_of_another_world_size_restores_the_jobs_position(tmp_path, group) -> None:
+    """Issue 29: the step and the data position are the job's, read from rank 0's JSON state
+    whatever the world size that reads them (tests/trainer/checkpoint/test_reshard.py runs
+    the real thing on 2 -> 1 -> 2 ranks)."""
+    config = _config(f"file://{tmp_path}/store")
+    _save(config, group, tmp_path, 1)
+    restored, _ = _restore(config, group, world_size=2)
+    assert restored is not None and restored.checkpoint.manifest.world_size == 1
+    assert restored.extra["step"] == 1
 
 
 def test_a_verified_checkpoint_that_does_not_fit_the_state_is_an_error(tmp_path, group) -> None:
