@@ -191,14 +191,13 @@ def gather_rows(state: Mapping[str, Any], touched: Mapping[str, torch.Tensor]) -
 def apply_rows(state: Mapping[str, Any], payload: Mapping[str, Any]) -> None:
     """Write a delta's rows into the state's table leaves, in place: a ShardedTensor's
     local shards, or (one process reading every rank's rows: publishing) a plain tensor at
-    each shard's offsets. Leaves of a part the state does not hold (the optimizer's, when
-    only the model is loaded) are passed over."""
+    each shard's offsets. Leaves the state does not hold are passed over: the optimizer's
+    when only the model is loaded, and, as every rank reads every rank's rows, another
+    rank's optimizer state (the fused optimizer keeps only its own tables')."""
     for path, shards in payload[ROWS_KEY].items():
         try:
             leaf = leaf_at(state, path)
-        except KeyError:
-            if any(path.startswith(key + ".") for key in state):
-                raise  # the part is loaded and lacks a table: not this model's state
+        except KeyError:  # another rank's optimizer state, or a part not loaded
             continue
         for key, part in shards.items():
             first, col = (int(o) for o in key.split(",")[:2])
