@@ -26,6 +26,7 @@ import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from importlib import metadata
 from typing import Any
 
@@ -74,6 +75,13 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
+class CommitKind(StrEnum):
+    """What a commit wrote (docs/checkpoints.md, incremental checkpoints)."""
+
+    FULL = "full"  # the whole state: restores alone
+    DELTA = "delta"  # the dense state and the embedding rows touched since ``previous_step``
+
+
 @dataclass(frozen=True)
 class FileEntry:
     size: int
@@ -97,6 +105,16 @@ class Manifest:
     created: float = field(default_factory=time.time)
     versions: dict[str, str] = field(default_factory=library_versions)
     format_version: int = FORMAT_VERSION
+    # The chain of incremental checkpoints: a delta restores on top of ``previous_step``,
+    # down to the full snapshot at ``base_step`` (a full one's base is its own step).
+    kind: CommitKind = CommitKind.FULL
+    base_step: int | None = None
+    previous_step: int | None = None
+
+    @property
+    def bytes(self) -> int:
+        """What this commit wrote to storage."""
+        return sum(entry.size for entry in self.files.values())
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -106,7 +124,8 @@ class Manifest:
         try:
             data: dict[str, Any] = json.loads(text)
             files = {name: FileEntry(**entry) for name, entry in data.pop("files").items()}
-            return cls(files=files, **data)
+            kind = CommitKind(data.pop("kind", CommitKind.FULL))
+            return cls(files=files, kind=kind, **data)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointCorrupt(f"checkpoint manifest {source} is unreadable: {exc}") from exc
 

@@ -215,6 +215,18 @@ class CheckpointMode(StrEnum):
     OFF = "off"
 
 
+def enabled_shorthand(section: type, value: Any) -> Any:
+    """A section with an ``enabled`` field may be given as true or false alone (also as
+    the words, from an environment variable): ``{"enabled": value}``."""
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        value = value.lower() == "true"
+    if isinstance(value, bool):
+        return {"enabled": value}
+    if not isinstance(value, dict | section):
+        raise ValueError("must be true, false or a mapping of its fields")
+    return value
+
+
 class MemoryTierConfig(_Frozen):
     """The in-memory tier (trainer/checkpoint/memory_tier.py): each rank's newest state in
     this host's shared memory, restored in preference to durable storage when it is newer.
@@ -229,13 +241,7 @@ class MemoryTierConfig(_Frozen):
     @classmethod
     def _bool(cls, value: Any) -> Any:
         # ``memory_tier: false`` (or true) is the short spelling of ``enabled``.
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            value = value.lower() == "true"  # from an environment variable
-        if isinstance(value, bool):
-            return {"enabled": value}
-        if not isinstance(value, dict | MemoryTierConfig):
-            raise ValueError("must be true, false or a mapping of its fields")
-        return value
+        return enabled_shorthand(cls, value)
 
     @model_validator(mode="after")
     def _has_an_interval(self) -> MemoryTierConfig:
@@ -249,6 +255,23 @@ class MemoryTierConfig(_Frozen):
                 "in-memory copy would ever be taken; set one of them, or memory_tier: false"
             )
         return self
+
+
+class IncrementalConfig(_Frozen):
+    """Incremental durable checkpoints (trainer/checkpoint/delta.py): a commit writes only
+    the embedding rows touched since the previous one (with their optimizer state) and the
+    whole dense state; a full snapshot every ``full_every`` commits, or when any table's
+    touched share exceeds ``max_delta_share``. Off until measured (docs/checkpoints.md)."""
+
+    enabled: bool = False
+    full_every: int = Field(default=8, ge=1, le=10_000)  # 1: every commit is full
+    max_delta_share: float = Field(default=0.5, gt=0, le=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bool(cls, value: Any) -> Any:
+        # ``incremental: true`` (or false) is the short spelling of ``enabled``.
+        return enabled_shorthand(cls, value)
 
 
 class CheckpointConfig(_Frozen):
@@ -271,6 +294,8 @@ class CheckpointConfig(_Frozen):
     cost_budget: float = Field(default=0.01, gt=0, le=0.5)
     # Each rank's newest state in host shared memory (/dev/shm), docs/checkpoints.md.
     memory_tier: MemoryTierConfig = Field(default=MemoryTierConfig(), strict=False)
+    # Commits that write only the touched embedding rows (docs/checkpoints.md).
+    incremental: IncrementalConfig = Field(default=IncrementalConfig(), strict=False)
 
     @field_validator("mode", mode="before")
     @classmethod

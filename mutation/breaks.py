@@ -46,6 +46,10 @@ CHECKPOINT_TESTS = (
 )
 RECOVERY_TESTS = ("tests/reliability/test_recovery_paths.py",)
 MEMORY_TIER_TESTS = ("tests/trainer/checkpoint/test_memory_tier.py",)
+INCREMENTAL_TESTS = (
+    "tests/trainer/checkpoint/test_manifest.py",
+    "tests/trainer/checkpoint/test_incremental.py",
+)
 GATE_TESTS = ("tests/publish/test_gate.py",)
 CLOCK_TESTS = ("tests/infra/test_clocks.py", "tests/reliability/test_ledger_times.py")
 FLEET_TESTS = ("tests/tasks/test_node_fleet.py",)
@@ -595,6 +599,39 @@ BREAKS = (
             ),
         ),
         ("tests/trainer/checkpoint/test_reshard_state.py",),
+    ),
+    Break(
+        "B66",
+        "retention deletes the base and links a kept delta needs (chains broken)",
+        "trainer/checkpoint/retention.py",
+        (("    needed = needed_steps(kept, committed)\n", "    needed: set[int] = set()\n"),),
+        INCREMENTAL_TESTS,
+    ),
+    Break(
+        "B67",
+        "composing a delta writes none of its rows: the tables stay at the base",
+        "trainer/checkpoint/delta.py",
+        (
+            (
+                "                    target.index_copy_(0, ids, rows)\n",
+                "                    pass\n",
+            ),
+        ),
+        INCREMENTAL_TESTS,
+    ),
+    Break(
+        "B68",
+        "a delta links to a save that did not commit on every rank",
+        "trainer/checkpoint/delta.py",
+        (("        elif not previous_ok:\n", "        elif False:\n"),),
+        INCREMENTAL_TESTS,
+    ),
+    Break(
+        "B69",
+        "after a restore the next commit is a delta of rows tracked since another state",
+        "trainer/checkpoint/delta.py",
+        (("        self.previous = None\n", "        pass\n"),),
+        INCREMENTAL_TESTS,
     ),
 )
 

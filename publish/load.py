@@ -1,4 +1,5 @@
-"""Anchor checkpoint -> the unsharded RankingModel on CPU, whatever world size trained it.
+"""Anchor checkpoint -> the unsharded RankingModel on CPU, whatever world size trained it
+(a delta checkpoint composed over its chain: trainer/checkpoint/compose.py).
 
 Reads the manifest, downloads and verifies every file against it (size + SHA-256) BEFORE
 anything is deserialised, rebuilds the job config from the checkpoint's own config.yaml,
@@ -24,9 +25,9 @@ from infra.job_layout import JobLayout
 from infra.settings import JobConfig, load_config
 from infra.tracking.logged_models import anchor_key
 from publish.settings import PublishError
-from trainer.checkpoint.restore import fetch
+from trainer.checkpoint.compose import load_model
 from trainer.model import RankingModel
-from trainer.unsharded import cpu_model, load_model_weights
+from trainer.unsharded import cpu_model
 
 log = logging.getLogger(__name__)
 
@@ -133,15 +134,13 @@ def read_config(ref: AnchorRef) -> JobConfig:
 def load(ref: AnchorRef, config: JobConfig, workdir: str) -> LoadedAnchor:
     """Download + verify every file (into ``workdir`` for object storage), then build the
     unsharded model on CPU and load its weights from the DCP shards."""
-    try:
-        local = fetch(CommittedCheckpoint(ref.uri, ref.manifest), workdir)
-    except CheckpointError as exc:
-        raise PublishError(f"refusing to publish: {exc}") from exc
-    except OSError as exc:
-        raise PublishError(f"cannot download checkpoint {ref.uri}: {exc}") from exc
     model = cpu_model(config)
     try:
-        load_model_weights(local, model)
+        local = load_model(CommittedCheckpoint(ref.uri, ref.manifest), model, workdir)
+    except CheckpointError as exc:
+        raise PublishError(f"refusing to publish: {exc}") from exc
+    except storage.StorageError as exc:
+        raise PublishError(f"cannot download checkpoint {ref.uri}: {exc}") from exc
     except (CheckpointException, RuntimeError, ValueError, KeyError, OSError) as exc:
         # DCP wraps a reader's error in CheckpointException, a BaseException.
         raise PublishError(

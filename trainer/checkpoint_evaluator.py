@@ -56,12 +56,12 @@ from infra.config_sources import ConfigError
 from infra.exit_codes import ExitCode
 from infra.job_layout import JobLayout
 from infra.settings import JobConfig, load_config
-from trainer.checkpoint.restore import fetch
+from trainer.checkpoint.compose import load_model
 from trainer.data.batch import Batch
 from trainer.data.decode import DataError
 from trainer.data.sequential import holdout_batches
 from trainer.holdout_metrics import evaluate
-from trainer.unsharded import cpu_model, load_model_weights
+from trainer.unsharded import cpu_model
 
 log = logging.getLogger("trainer.checkpoint_evaluator")
 
@@ -177,8 +177,7 @@ class CheckpointEvaluator:
             return None
         tmp = tempfile.mkdtemp(prefix="ckpt-", dir=self.workdir)
         try:
-            local = fetch(ckpt, tmp)  # verified against the manifest before any load
-            load_model_weights(local, self.model)
+            load_model(ckpt, self.model, tmp)  # verified against the manifest before any load
         except _READ_ERRORS as exc:
             log.warning("skipping checkpoint %s (step %d): %s", ckpt.url, ckpt.step, _one_line(exc))
             return None

@@ -67,6 +67,7 @@ from infra.control import Command, Phase, RankControl
 from infra.settings import EvalMode, JobConfig, StandbyPark
 from trainer import compile_cache, compiled
 from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.delta import embedding_tables
 from trainer.checkpoint.resume import Resume, peek_resume
 from trainer.checkpoint.state import train_states
 from trainer.data.balance import make_balancer
@@ -420,7 +421,9 @@ class Initializer:
         # What every checkpoint of this attempt holds, registered once: the live objects,
         # loaded in place here and by an in-process restart (trainer/restart.py).
         states = train_states(self.model, self.optimizer, self.loader, self.env.rank)
-        self.checkpointer.register(states, plan_summary(self.plan))
+        self.checkpointer.register(
+            states, plan_summary(self.plan), embedding_tables(self.host_model)
+        )
         how = ResumeHow.PROMOTED if self.promoted else ResumeHow.COLD
         self.resume = self.checkpointer.restore(how)
         attrs["resumed_from_step"] = self.resume.step

@@ -202,10 +202,19 @@ def progress_reporter(
     return control.report
 
 
-def train_step(model: torch.nn.Module, optimizer: Any, batch: Batch, device: torch.device) -> float:
-    """One forward/backward/update; sparse tables are updated inside backward (fused)."""
+def train_step(
+    model: torch.nn.Module,
+    optimizer: Any,
+    batch: Batch,
+    device: torch.device,
+    track: Callable[..., None] | None = None,
+) -> float:
+    """One forward/backward/update; sparse tables are updated inside backward (fused).
+    ``track`` is told the step's KeyedJaggedTensors: the rows the update touches."""
     batch = batch.to(device, non_blocking=True)
     sparse, history = batch_to_kjts(batch)
+    if track is not None:
+        track(sparse, history)
     logits = model(batch.dense, sparse, history)
     loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
     optimizer.zero_grad(set_to_none=True)
@@ -252,7 +261,7 @@ def train(
                 with ledger.span(Span.TRAIN_STEP, step=step) as attrs:
                     batch = pending if pending is not None else next(batches)
                     pending = None
-                    loss = train_step(model, optimizer, batch, env.device)
+                    loss = train_step(model, optimizer, batch, env.device, checkpointer.track)
                     attrs["loss"] = round(loss, 6)
                     attrs["rows_digest"] = batch.row_digest()  # the ranks' sum: the global batch's
                     attrs["flops"] = model_flops.of_batch(batch.history_offsets)

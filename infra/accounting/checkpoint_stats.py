@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from infra.accounting.ledger_format import CheckpointTier, Event, Mark, Span
 
@@ -34,6 +34,18 @@ class CheckpointStats:
     memory_copies: int = 0  # in-memory copies written
     memory_blocking_s: float = 0.0  # the loop's blocking for them (``memory_copy_blocking``)
     memory_interval_s: float | None = None  # the in-memory tier's last interval chosen
+    # Bytes written per durable commit, by kind (full, delta): (commits, median bytes).
+    commit_bytes: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+
+def commit_bytes(commits: list[Event]) -> dict[str, tuple[int, float]]:
+    """(commits, median bytes written) of each kind of commit: full against delta. A commit
+    marked without a kind is full (incremental checkpoints off, or an older trainer)."""
+    by_kind: dict[str, list[float]] = defaultdict(list)
+    for e in commits:
+        if "bytes" in e.attrs:
+            by_kind[str(e.attrs.get("kind", "full"))].append(float(e.attrs["bytes"]))
+    return {kind: (len(xs), statistics.median(xs)) for kind, xs in sorted(by_kind.items())}
 
 
 def checkpoint_stats(job: list[Event], loop_s: float, interval_s: float | None) -> CheckpointStats:
@@ -81,4 +93,5 @@ def checkpoint_stats(job: list[Event], loop_s: float, interval_s: float | None) 
         memory_copies=sum(1 for e in job if e.name == Mark.MEMORY_COPY and "seq" in e.attrs),
         memory_blocking_s=math.fsum(e.duration for e in job if e.name == Span.MEMORY_COPY_BLOCKING),
         memory_interval_s=None if memory_interval is None else float(memory_interval),
+        commit_bytes=commit_bytes(commits),
     )

@@ -462,6 +462,7 @@ def compute_report(
         fallback_redone_s=_fallback_redone(resumes, wasted, t0),
         redone_by_tier=_redone_by_tier(resumes, wasted, t0),
         memory_copies=ckpt.memory_copies,
+        commit_bytes=ckpt.commit_bytes,
         memory_blocking_total_s=ckpt.memory_blocking_s,
         memory_interval_s=ckpt.memory_interval_s,
         clock=clock or ClockCheck(),

@@ -210,6 +210,8 @@ class EttReport:
     memory_blocking_total_s: float = 0.0
     memory_interval_s: float | None = None  # the in-memory tier's last chosen interval
     resizes: tuple[ResizeRecord, ...] = ()  # attempts that ran on another number of ranks
+    # Durable commits by kind (full, delta): (commits, median bytes written).
+    commit_bytes: dict[str, tuple[int, float]] = field(default_factory=dict)
     clock: ClockCheck = field(default_factory=ClockCheck)
     segments: tuple[tuple[float, float, str], ...] = field(repr=False, default=())
 

@@ -42,6 +42,7 @@ from infra.accounting.ledger_format import INIT_SPANS, Event
 from infra.accounting.ledger_read import read_events
 from infra.accounting.partition import critical_path, partition
 from infra.accounting.records import FailureRecord, StandbyRecord
+from infra.accounting.report import sections
 from infra.job_layout import JobLayout
 
 T0 = 1_700_000_000.0  # realistic Unix times: exactness must survive large magnitudes
@@ -632,6 +633,23 @@ def test_redone_steps_are_split_by_the_tier_their_restore_came_from(tmp_path) ->
     assert "in-memory copy" in r.resumes[0].describe()
     assert (r.memory_copies, r.memory_interval_s) == (2, 0.5)
     assert r.memory_blocking_total_s == pytest.approx(0.2)
+
+
+def test_bytes_per_commit_are_reported_full_against_delta(tmp_path) -> None:
+    """Commits at steps 1-5: full (1000 B), three deltas (100, 300, 200 B), full (1200 B);
+    a commit marked without a kind (an older trainer) counts as full."""
+    url = str(tmp_path / "job")
+    with Ledger(JobLayout.at(url), clock=lambda: T0) as tr:
+        _steps(tr, 1, 1, 5)
+        for step, kind, size in [(1, "full", 1000), (2, "delta", 100), (3, "delta", 300)]:
+            tr.mark("checkpoint_committed", step=step, t=T0 + step + 1, kind=kind, bytes=size)
+        tr.mark("checkpoint_committed", step=4, t=T0 + 5, kind="delta", bytes=200)
+        tr.mark("checkpoint_committed", step=5, t=T0 + 6, bytes=1200)
+        tr.mark("job_end", step=5, t=T0 + 6)
+    r = report_for_job(JobLayout.at(url))
+    assert r.commit_bytes == {"delta": (3, 200.0), "full": (2, 1100.0)}
+    rows = dict((row[0], row[1]) for _, _, body in sections(r) for row in body if row)
+    assert rows["Bytes per commit (median)"] == "delta 200 B x 3, full 1.1 kB x 2"
 
 
 # -- time the ledger cannot see -------------------------------------------------------------

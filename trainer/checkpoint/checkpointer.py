@@ -48,6 +48,7 @@ from infra.checkpoint_manifest import CheckpointError
 from infra.settings import CheckpointMode, JobConfig
 from trainer.checkpoint import emergency
 from trainer.checkpoint.commit import AlreadyCommitted, CheckpointPhase, Committer
+from trainer.checkpoint.delta import Incremental
 from trainer.checkpoint.interval import FailureHistory
 from trainer.checkpoint.memory_tier import MemoryTier, memory_tier_of
 from trainer.checkpoint.resume import Resume, restore_states
@@ -88,6 +89,7 @@ class Checkpointer:
         self.commits = Committer(config, rank, world_size, ledger, process_group, on_phase)
         self.memory: MemoryTier | None = memory_tier_of(config, rank, world_size)
         self.states: CheckpointStates | None = None
+        self.incremental: Incremental | None = None  # from ``register``, when configured
         self.schedule: SaveSchedule | None = None  # from ``start``: training has begun
         self._stager: ShardedStateStager | None = None
         self._inflight: InFlight | None = None
@@ -105,15 +107,29 @@ class Checkpointer:
 
     # -- what is saved ----------------------------------------------------------------------
     def register(
-        self, states: Mapping[str, Stateful], plan: Mapping[str, Any] | None = None
+        self,
+        states: Mapping[str, Stateful],
+        plan: Mapping[str, Any] | None = None,
+        tables: Mapping[str, tuple[str, int]] | None = None,
     ) -> None:
         """What every save holds and every restore loads, given once: DCP saves each part's
         ``state_dict()`` tensors under its key (see state.py); parts wrapped in
         ``RankState`` go into this rank's JSON state beside the step. The objects are read
         at each save, so they must be the live ones that training changes in place.
-        ``plan``: how the tables are sharded, recorded in every manifest."""
+        ``plan``: how the tables are sharded, recorded in every manifest. ``tables``
+        (feature -> table name, rows: delta.embedding_tables) lets durable commits write
+        only touched rows, when ``checkpoint.incremental`` is on."""
         self.states = CheckpointStates(states)
         self.commits.plan = dict(plan or {})
+        if self.config.checkpoint.incremental.enabled and tables:
+            self.incremental = Incremental(
+                self.config.checkpoint.incremental, tables, self.world_size, self.pg
+            )
+
+    def track(self, *kjts: Any) -> None:
+        """The training step's KeyedJaggedTensors: their ids are the rows it updates."""
+        if self.incremental is not None:
+            self.incremental.track(*kjts)
 
     def registered(self, what: str) -> CheckpointStates:
         """The registered states; RuntimeError naming ``what`` needed them if there are none."""
@@ -132,6 +148,8 @@ class Checkpointer:
         resume = restore_states(
             self.config, states, self.rank, self.world_size, self.ledger, self.pg, how, self.memory
         )
+        if self.incremental is not None:
+            self.incremental.reset()  # what was touched since is unknown: next commit full
         if how == ResumeHow.IN_PROCESS and resume.url is not None:
             states.load_rank_state(resume.rank_state or {})
             if self.schedule is not None:
@@ -235,16 +253,24 @@ class Checkpointer:
         with self.ledger.span(Span.CHECKPOINT_BLOCKING, step=step, mode=mode) as attrs:
             waited = self.wait_for_inflight()
             attrs["waited_for_previous_s"] = round(waited, 6)
+            previous_ok = commits.previous_stored()
             nonce = commits.begin()
             state, extra = states.read()
+            rows = None
+            if self.incremental is not None:
+                plan = self.incremental.plan(step, state, previous_ok, anchor)
+                state, rows = plan.dense, plan.rows
+                commits.chain(nonce, plan.link)
+                attrs["kind"] = plan.link.kind
             error: list[BaseException] = []
             if mode == CheckpointMode.ASYNC_STAGED:
                 staging = self._get_stager().begin(state)
 
                 def write_staged() -> None:
-                    self._write_copy(step, staging, extra)  # the in-memory tier first
+                    if rows is None:  # a delta's staged state lacks the tables
+                        self._write_copy(step, staging, extra)  # the in-memory tier first
                     commits.refuse_if_committed(step)
-                    writer = commits.prepare(step, extra)
+                    writer = commits.prepare(step, extra, rows)
                     dcp.save(staging.state_dict(), storage_writer=writer, process_group=self.pg)
 
                 thread = self._commit_thread(step, anchor, nonce, error, write_staged)
@@ -258,7 +284,7 @@ class Checkpointer:
             except CheckpointError as exc:
                 commits.failed(step, nonce, error, exc)
                 return
-            writer = commits.prepare(step, extra)
+            writer = commits.prepare(step, extra, rows)
             if mode == CheckpointMode.SYNC:
                 dcp.save(state, storage_writer=writer, process_group=self.pg)
                 self.on_phase(CheckpointPhase.STAGED, step)

@@ -49,6 +49,7 @@ from infra.checkpoint_manifest import (
 from infra.control import scratch_dir
 from infra.job_layout import step_dir_name
 from infra.settings import EvalMode, JobConfig, config_yaml
+from trainer.checkpoint.delta import Link, rows_file
 from trainer.checkpoint.retention import purge_old
 from trainer.checkpoint.state import LOADER
 from trainer.checkpoint.verify import sha256_file
@@ -127,6 +128,7 @@ class Committer:
         self._saves = 0
         self.nonce = ""  # of the latest save
         self._outcome: dict[str, SaveOutcome] = {}  # by nonce, since the latest save began
+        self._links: dict[str, Link] = {}  # incremental commits: the latest save's link
         # The config never changes: render its YAML once, not in every save's blocking time
         # (yaml's pure-Python emitter takes 10-30 ms, as long as staging 64 MB).
         self._config_yaml = config_yaml(config)
@@ -157,7 +159,18 @@ class Committer:
         self.nonce = f"{self._token}-{self._saves}"
         self._saves += 1
         self._outcome = {}  # nothing older is waited for again
+        self._links = {}
         return self.nonce
+
+    def previous_stored(self) -> bool:
+        """The latest save stored this rank's part (rank 0: committed it), or found its
+        step committed: a delta may link to it."""
+        stored = (SaveOutcome.COMMITTED, SaveOutcome.DONE, SaveOutcome.SKIPPED)
+        return self._outcome.get(self.nonce) in stored
+
+    def chain(self, nonce: str, link: Link) -> None:
+        """The save ``nonce`` is this link of an incremental chain (its manifest says so)."""
+        self._links[nonce] = link
 
     def refuse_if_committed(self, step: int) -> None:
         """Raise AlreadyCommitted on every rank if the step's folder is committed on any
@@ -188,12 +201,16 @@ class Committer:
             os.makedirs(path, exist_ok=True)
         return path
 
-    def prepare(self, step: int, extra: dict[str, Any]) -> dcp.FileSystemWriter:
-        """The step's local folder with this rank's JSON state (rank 0: the config too), and
-        the DCP writer into it."""
+    def prepare(
+        self, step: int, extra: dict[str, Any], rows: dict[str, Any] | None = None
+    ) -> dcp.FileSystemWriter:
+        """The step's local folder with this rank's JSON state (rank 0: the config too; a
+        delta: this rank's touched rows), and the DCP writer into it."""
         local_dir = self._local_dir(step)
         with open(os.path.join(local_dir, rank_state_name(self.rank)), "w") as fh:
             json.dump({"step": step, **extra}, fh)
+        if rows is not None:
+            torch.save(rows, os.path.join(local_dir, rows_file(self.rank)))
         if self.rank == 0:
             with open(os.path.join(local_dir, "config.yaml"), "w") as fh:
                 fh.write(self._config_yaml)
@@ -259,7 +276,7 @@ class Committer:
         mine = []
         for name in sorted(os.listdir(local_dir)):
             owned = name.startswith(f"__{self.rank}_") or name.endswith(
-                f".rank{self.rank:03d}.json"
+                (f".rank{self.rank:03d}.json", f".rank{self.rank:03d}.pt")
             )
             if self.rank == 0 and name in (".metadata", "config.yaml"):
                 owned = True
@@ -285,6 +302,7 @@ class Committer:
             files.update(
                 {n: FileEntry(**e) for n, e in json.loads(storage.read_text(marker)).items()}
             )
+        link = self._links.get(nonce)
         manifest = Manifest(
             step=step,
             world_size=self.world_size,
@@ -295,11 +313,26 @@ class Committer:
             nonce=nonce,
             plan=self.plan,
             data_position=self._positions.pop(step, {}),
+            **(
+                {}
+                if link is None
+                else {
+                    "kind": link.kind,
+                    "base_step": link.base_step,
+                    "previous_step": link.previous_step,
+                }
+            ),
         )
         self.on_phase(CheckpointPhase.BEFORE_MANIFEST, step)
         storage.write_text(storage.join(url, MANIFEST), manifest.to_json())
-        size = sum(e.size for e in files.values())
-        self.ledger.mark(Mark.CHECKPOINT_COMMITTED, step=step, url=url, bytes=size, anchor=anchor)
+        self.ledger.mark(
+            Mark.CHECKPOINT_COMMITTED,
+            step=step,
+            url=url,
+            bytes=manifest.bytes,
+            anchor=anchor,
+            kind=manifest.kind,
+        )
         if anchor:
             self.ledger.mark(Mark.ANCHOR_COMMITTED, step=step, url=url)
         try:

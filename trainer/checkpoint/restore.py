@@ -33,9 +33,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from infra import storage
+from infra.checkpoint_chain import ChainBroken
 from infra.checkpoint_manifest import (
     CheckpointCorrupt,
     CheckpointError,
+    CommitKind,
     CommittedCheckpoint,
     committed_checkpoints,
     rank_state_name,
@@ -138,7 +140,15 @@ def load_into(
 ) -> dict[str, Any]:
     """Verify the checkpoint, fill ``state`` in place, and return this rank's JSON state.
     Errors: see ``fetch``; a verified checkpoint DCP cannot load is a CheckpointError
-    (incompatible: its files are exactly what was committed)."""
+    (incompatible: its files are exactly what was committed). A delta is composed over its
+    chain (compose.py): ChainBroken names a corrupt or missing link."""
+    if ckpt.manifest.kind == CommitKind.DELTA:
+        from trainer.checkpoint.compose import load_chain  # compose builds on this module
+
+        def load_full(link: CommittedCheckpoint, into: dict[str, Any]) -> dict[str, Any]:
+            return load_into(link, into, rank, process_group, no_dist)
+
+        return load_chain(ckpt, state, rank, process_group, load_full, no_dist)
     tmp = tempfile.mkdtemp(prefix="ett-restore-", dir=scratch_dir())
     try:
         local = fetch(ckpt, tmp)
@@ -185,14 +195,24 @@ def restore(
     """
     found = candidates(config)
     corrupt: list[tuple[CommittedCheckpoint, str]] = []
+    broken: ChainBroken | None = None  # links from this step up cannot be composed
     for ckpt in found:
+        if broken is not None and ckpt.step >= broken.link_step:
+            corrupt.append((ckpt, str(broken)))  # said once, where the chain broke
+            continue
         check_compatible(ckpt, config, world_size)
         try:
             extra = load_into(ckpt, state, rank, process_group, world_size=world_size)
         except CheckpointCorrupt as exc:
             if not config.checkpoint.fallback_on_corrupt:
                 raise
-            log.warning("%s; falling back to the previous committed checkpoint", exc)
+            if isinstance(exc, ChainBroken):
+                broken = exc
+                log.warning(
+                    "%s; falling back to the last good link before step %d", exc, exc.link_step
+                )
+            else:
+                log.warning("%s; falling back to the previous committed checkpoint", exc)
             corrupt.append((ckpt, str(exc)))
             continue
         # Every rank has loaded this one, so none still reads the corrupt ones. They are

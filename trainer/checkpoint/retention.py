@@ -7,7 +7,9 @@ With ``train.eval: async`` the newest ``EVAL_BACKLOG`` checkpoints at eval steps
 too: the side evaluator reads them while training goes on, and at the advisor's short
 interval the latest k would otherwise roll past an eval step before it is evaluated.
 Checkpoints found corrupt are quarantined by restore (manifest.quarantine), so they are not
-listed here and never take the place of a usable one among the k.
+listed here and never take the place of a usable one among the k. Chains of incremental
+checkpoints are kept whole: the base and links a kept delta needs are never deleted
+(infra/checkpoint_chain.py), so with deltas more than k folders may remain.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 
 from infra import storage
+from infra.checkpoint_chain import needed_steps
 from infra.checkpoint_manifest import MANIFEST, committed_checkpoints
 from infra.job_layout import JobLayout
 
@@ -35,11 +38,15 @@ def purge_old(
     keep = keep.rstrip("/") if keep else None
     eval_steps = [c.step for c in committed if eval_every > 0 and c.step % eval_every == 0]
     for_eval = set(eval_steps[:EVAL_BACKLOG])
-    doomed = [
-        c.url
+    beyond = [
+        c
         for c in committed[max(keep_latest_k, 1) :]
         if not c.manifest.anchor and c.url.rstrip("/") != (keep or "") and c.step not in for_eval
     ]
+    # A kept delta restores through its base and every link before it: keep those too.
+    kept = [c for c in committed if c not in beyond]
+    needed = needed_steps(kept, committed)
+    doomed = [c.url for c in beyond if c.step not in needed]
     # Uncommitted folders below this step are debris; above it one may be in flight.
     newest = next((c.step for c in committed if c.url.rstrip("/") == (keep or "")), None)
     newest = committed[0].step if newest is None else newest

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from infra import storage
+from infra.checkpoint_chain import ChainBroken, chain_of
 from infra.checkpoint_manifest import (
     MANIFEST,
     CheckpointError,
+    CommitKind,
     FileEntry,
     Manifest,
     committed_checkpoints,
@@ -17,14 +21,26 @@ from trainer.checkpoint.retention import purge_old, purge_uncommitted
 from trainer.checkpoint.verify import sha256_url, verify_files
 
 
-def _fake_checkpoint(job_url: str, step: int, commit: bool = True, anchor: bool = False) -> str:
+def _fake_checkpoint(
+    job_url: str, step: int, commit: bool = True, anchor: bool = False, previous: int | None = None
+) -> str:
+    """A committed folder; with ``previous``, a delta linked to that step's checkpoint."""
     url = storage.join(JobLayout.at(job_url).checkpoints, step_dir_name(step))
     data = f"weights-{step}".encode()
     storage.write_bytes(storage.join(url, "__0_0.distcp"), data)
     if commit:
         entry = FileEntry(len(data), sha256_url(storage.join(url, "__0_0.distcp")))
         files = {"__0_0.distcp": entry}
-        manifest = Manifest(step=step, world_size=1, config_hash="h", files=files, anchor=anchor)
+        chain: dict[str, Any] = {}
+        if previous is not None:
+            base = next(
+                c for c in committed_checkpoints(JobLayout.at(job_url)) if c.step == previous
+            )
+            base_step = base.manifest.base_step if base.manifest.base_step is not None else previous
+            chain = {"kind": CommitKind.DELTA, "base_step": base_step, "previous_step": previous}
+        manifest = Manifest(
+            step=step, world_size=1, config_hash="h", files=files, anchor=anchor, **chain
+        )
         storage.write_text(storage.join(url, MANIFEST), manifest.to_json())
     return url
 
@@ -95,6 +111,35 @@ def test_retention_keeps_latest_k_anchor_and_inflight(job_url: str) -> None:
     assert step_dir_name(50) in names and step_dir_name(15) not in names
     purge_uncommitted(JobLayout.at(job_url))  # at the start of an attempt nothing is in flight
     assert step_dir_name(50) not in storage.listdir(JobLayout.at(job_url).checkpoints)
+
+
+def _steps(job_url: str) -> list[int]:
+    return [c.step for c in committed_checkpoints(JobLayout.at(job_url))]
+
+
+def test_retention_keeps_the_base_and_links_a_kept_delta_needs(job_url: str) -> None:
+    """Chains 10 <- 20 <- 30 and 40 <- 50: keeping the latest two (50, 40) lets the first
+    chain go; keeping three (50, 40, 30) keeps 30's base and link as well."""
+    _fake_checkpoint(job_url, 10)
+    _fake_checkpoint(job_url, 20, previous=10)
+    _fake_checkpoint(job_url, 30, previous=20)
+    _fake_checkpoint(job_url, 40)
+    _fake_checkpoint(job_url, 50, previous=40)
+    purge_old(JobLayout.at(job_url), keep_latest_k=3)
+    assert _steps(job_url) == [50, 40, 30, 20, 10]
+    purge_old(JobLayout.at(job_url), keep_latest_k=1)  # 50 needs 40, and nothing else
+    assert _steps(job_url) == [50, 40]
+
+
+def test_a_chain_names_the_first_link_it_lacks(job_url: str) -> None:
+    _fake_checkpoint(job_url, 10)
+    _fake_checkpoint(job_url, 20, previous=10)
+    _fake_checkpoint(job_url, 30, previous=20)
+    committed = committed_checkpoints(JobLayout.at(job_url))
+    assert [c.step for c in chain_of(committed[0], committed)] == [10, 20, 30]
+    with pytest.raises(ChainBroken, match="link at step 20 is not committed") as err:
+        chain_of(committed[0], [c for c in committed if c.step != 20])
+    assert err.value.link_step == 20
 
 
 def test_spools_of_killed_attempts_are_removed_and_live_ones_kept(tmp_path, monkeypatch) -> None:
