@@ -21,7 +21,10 @@ BENCHMARKS = [
     "bench_recovery.py",
     "bench_relaunch_nodes.py",
     "bench_standby_park.py",
+    "bench_memory_tier.py",
 ]
+# Not here, run on their own: bench_ett.py (`make bench-ett`, ~15 min), bench_hosts.py (a
+# Prefect stack), bench_incremental.py (writes several 5 GB checkpoints to local disk).
 
 
 def main() -> int:
