@@ -16,21 +16,26 @@ Both use the same retry policy and ``--backoff-s``, so the difference is the mec
   standby, in-process restart, the side evaluator, publishing as its own flow run after the
   job). The compile cache is warmed by a
   short job under the same storage root first, as every job after the first one finds it.
+- **no_memory_tier**: the same defaults with ``checkpoint.memory_tier: false`` (durable
+  checkpoints only: the product before its in-memory tier), warmed the same way. Run it
+  beside ``optimized`` to measure what the tier does:
+  ``--only no_memory_tier,optimized`` (with ``--pool``: both from the pool).
 
 A failure strikes the attempt that reaches its step: in the baseline each failure ends an
-attempt (attempts 0, 1, 2); in the optimized run the crash is recovered inside attempt 0, so
-the SIGKILL also lands in attempt 0 and the preemption in attempt 1.
+attempt (attempts 0, 1, 2); in the optimized runs the crash is recovered inside attempt 0,
+so the SIGKILL also lands in attempt 0 and the preemption in attempt 1.
 
-    .venv/bin/python benchmarks/bench_ett.py [--steps 5000] [--only optimized] [--pool]
+    .venv/bin/python benchmarks/bench_ett.py [--steps 5000] [--only optimized,...] [--pool]
 
-``--pool``: the optimized job's launchers are claimed from a warm agent pool (``ett pool``,
+``--pool``: the optimized jobs' launchers are claimed from a warm agent pool (``ett pool``,
 tasks/agent_pool.py) instead of fresh interpreters: its first attempt starts from an agent
 that imported everything before the job existed (the standbys claim one when it has parked).
 
-Writes benchmarks/results/ett.json, ett.md and ett.png (the wall time of both runs by
-bucket), and prints the table. With both runs, it then feeds their ledgers to ``ett
-simulate``: the simulator's replay of each run beside what was measured (its validation) and
-the projection of both to 16,384 GPUs, in benchmarks/results/simulate/.
+Writes benchmarks/results/ett.json, ett.md and ett.png (the wall time of each run by
+bucket; ``--only`` adds the variants' names to the file names), and prints the table. With
+the baseline and optimized runs, it then feeds their ledgers to ``ett simulate``: the
+simulator's replay of each run beside what was measured (its validation) and the projection
+of both to 16,384 GPUs, in benchmarks/results/simulate/.
 """
 
 from __future__ import annotations
@@ -57,11 +62,12 @@ from infra.accounting.ett import report_for_job  # noqa: E402
 from infra.accounting.records import BUCKETS, Bucket, EttReport  # noqa: E402
 from infra.settings import dump_config, load_config  # noqa: E402
 
-VARIANTS = ("baseline", "optimized")
+VARIANTS = ("baseline", "no_memory_tier", "optimized")
+OPTIMIZED = ("no_memory_tier", "optimized")  # the product's defaults, and without one of them
 BASELINE_EVERY_STEPS = 100
 SCHEDULE = (("crash", 0.24), ("sigkill", 0.50), ("sigterm", 0.76))  # kind, share of steps
 # The attempt each failure lands in, per variant (see the module docstring).
-ATTEMPTS = {"baseline": (0, 1, 2), "optimized": (0, 0, 1)}
+ATTEMPTS = {"baseline": (0, 1, 2), "no_memory_tier": (0, 0, 1), "optimized": (0, 0, 1)}
 OUT = ROOT / "benchmarks" / "results"
 
 
@@ -86,6 +92,8 @@ def overrides(variant: str, work: Path, steps: int) -> dict[str, Any]:
     }
     if variant == "optimized":
         return common
+    if variant == "no_memory_tier":  # the defaults before the in-memory tier: durable only
+        return {**common, "checkpoint": {"memory_tier": False}}
     return {
         **common,
         "train": {
@@ -108,7 +116,7 @@ def launched_as(variant: str) -> Iterator[None]:
     """The baseline's ranks are fresh interpreters running the coupled trainer."""
     from tasks.attempt import LaunchSpec
 
-    if variant == "optimized":
+    if variant in OPTIMIZED:
         yield
         return
     seams = {
@@ -140,7 +148,7 @@ def run_variant(variant: str, work: Path, args: argparse.Namespace) -> dict[str,
     row = summarize(variant, report)
     row["flow_s"] = round(flow_s, 1)
     row["attempts"] = result["attempts"]
-    if variant == "optimized" and result["anchor"]:
+    if variant in OPTIMIZED and result["anchor"]:
         from flows.publish_flow import publish_flow
 
         t0 = time.monotonic()
@@ -182,11 +190,11 @@ def summarize(variant: str, r: EttReport) -> dict[str, Any]:
     }
 
 
-def prewarm(work: Path) -> None:
-    """A short job under the optimized storage root fills the shared compile cache."""
+def prewarm(work: Path, variant: str) -> None:
+    """A short job under the variant's storage root fills its shared compile cache."""
     from flows.train_flow import train_flow
 
-    cfg = load_config(**overrides("optimized", work, 30))
+    cfg = load_config(**overrides(variant, work, 30))
     cfg = cfg.model_copy(update={"job_id": None})  # a new job each time: one run reuses no other
     path = work / "prewarm.yaml"
     dump_config(cfg, path)
@@ -286,11 +294,25 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _variants(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown variant {', '.join(unknown) or repr(text)}: choose from {', '.join(VARIANTS)}"
+        )
+    return names
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--backoff-s", type=float, default=2.0)
-    parser.add_argument("--only", choices=VARIANTS)
+    parser.add_argument(
+        "--only",
+        type=_variants,
+        help=f"run these variants, comma-separated, in this order (of {', '.join(VARIANTS)})",
+    )
     parser.add_argument(
         "--pool",
         action="store_true",
@@ -314,22 +336,23 @@ def main() -> int:
         from trainer.data.synthetic import generate
 
         generate(data.data, data.data.url)
-    variants = [args.only] if args.only else list(VARIANTS)
+    variants = args.only or list(VARIANTS)
     rows = []
     started = time.time()
     for variant in variants:
         if args.report_only:  # the jobs ran already under --work-dir: tables again
             rows.append(summarize(variant, report_for_job(JobLayout.at(job_url(work, variant)))))
             continue
-        if variant == "optimized":
-            prewarm(work)
-        with agent_pool(work, enabled=args.pool and variant == "optimized"):
+        pooled = args.pool and variant in OPTIMIZED
+        if variant in OPTIMIZED:
+            prewarm(work, variant)
+        with agent_pool(work, enabled=pooled):
             rows.append(run_variant(variant, work, args))
-        rows[-1]["agent_pool"] = args.pool and variant == "optimized"
+        rows[-1]["agent_pool"] = pooled
         print(f"# {variant}: ETT {rows[-1]['ett_pct']:.1f}%", flush=True)
     by = {r["variant"]: r for r in rows}
     ratio = None
-    if len(rows) == 2 and by["optimized"]["lost_s"] > 0:
+    if {"baseline", "optimized"} <= set(by) and by["optimized"]["lost_s"] > 0:
         ratio = by["baseline"]["lost_s"] / by["optimized"]["lost_s"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -349,13 +372,13 @@ def main() -> int:
         "started": started,
         "minutes": round((time.time() - started) / 60, 1),
     }
-    suffix = (f"-{args.only}" if args.only else "") + ("-pool" if args.pool else "")
+    suffix = ("-" + "-".join(variants) if args.only else "") + ("-pool" if args.pool else "")
     (out / f"ett{suffix}.json").write_text(json.dumps(result, indent=2))
     table = markdown(rows, ratio)
     (out / f"ett{suffix}.md").write_text(table + "\n")
     plot(rows, out / f"ett{suffix}.png")
     print(table)
-    if len(rows) == 2:
+    if {"baseline", "optimized"} <= set(by):
         simulate(work, out / "simulate")
     return 0
 
@@ -365,7 +388,7 @@ def simulate(work: Path, folder: Path) -> None:
     from infra.whatif.scaling import ScalingLaws
     from infra.whatif.simulate_report import format_text, run_simulate, write_outputs
 
-    jobs = {v: JobLayout.at(job_url(work, v)) for v in VARIANTS}
+    jobs = {v: JobLayout.at(job_url(work, v)) for v in ("baseline", "optimized")}
     result = run_simulate(jobs, ScalingLaws(), days=30)
     print(format_text(result), end="")
     print(f"wrote {', '.join(str(p) for p in write_outputs(result, folder))}")
