@@ -387,6 +387,14 @@ class RecoveryConfig(_Frozen):
     # pod or its process gone); node runs whose orchestrator went silent this long end.
     node_timeout_s: float = Field(default=15.0, ge=2, le=3600)
 
+    # Capacity lost (docs/recovery.md): a rank slot on this host marked unusable, or a node
+    # lost with no spare. The next attempt waits up to wait_for_capacity_s for it to return,
+    # then runs on what is left, resharded from the newest commit, if that is at least
+    # min_ranks ranks per node (min_nodes nodes); null: the launched size, never smaller.
+    min_ranks: int | None = Field(default=None, ge=1, le=1024)
+    min_nodes: int | None = Field(default=None, ge=1, le=1024)
+    wait_for_capacity_s: float = Field(default=60.0, ge=0, le=86_400)
+
 
 class FaultConfig(_Frozen):
     """An injected failure, for demos, tests and benchmarks."""
@@ -453,6 +461,21 @@ class JobConfig(BaseSettings):
     recovery: RecoveryConfig = RecoveryConfig()
     faults: tuple[FaultConfig, ...] = Field(default=(), strict=False)
     tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _minimum_fits_the_launch(self) -> JobConfig:
+        recovery, launch = self.recovery, self.launch
+        if recovery.min_ranks is not None and recovery.min_ranks > launch.nproc:
+            raise ValueError(
+                f"recovery.min_ranks {recovery.min_ranks} is more than launch.nproc "
+                f"{launch.nproc}: a job never runs on more ranks than it was launched with"
+            )
+        if recovery.min_nodes is not None and recovery.min_nodes > launch.nnodes:
+            raise ValueError(
+                f"recovery.min_nodes {recovery.min_nodes} is more than launch.nnodes "
+                f"{launch.nnodes}: a job never runs on more nodes than it was launched with"
+            )
+        return self
 
     @classmethod
     def settings_customise_sources(

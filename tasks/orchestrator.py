@@ -31,6 +31,7 @@ trains and its standby parked, so it does not compete with their start for the C
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -70,6 +71,7 @@ from tasks.attempt import (
     Timeouts,
     watch,
 )
+from tasks.capacity import Capacity
 from tasks.local_node import Log
 from tasks.node_runs import WorkPoolNodeRuns
 from tasks.remote_node import NodeFleet, NodeRuns
@@ -78,6 +80,7 @@ from tasks.retry_policy import JobOutcome, RetryPolicy
 from tasks.side_evaluator import SideEvaluator
 
 MAX_STANDBY_LOSSES = 3  # standbys lost in a row before the job goes on without one
+CAPACITY_POLL_S = 0.5  # how often a launch waiting for lost rank slots looks again
 EVAL_FINISH_TIMEOUT_S = 300.0  # after training, for the side evaluator to evaluate the anchor
 
 
@@ -151,6 +154,7 @@ class Orchestrator:
         self._standby_losses = 0  # in a row, since a standby was last promoted
         self._last_lost: tuple[int, float] | None = None  # the last standby lost, and when
         self.policy = RetryPolicy(config.recovery)
+        self.capacity = Capacity(config.launch.nproc)  # this host's rank slots, some lost
         self._recovered_in_process = 0
         self._settled = False
         self._lease: JobLease | None = None
@@ -207,7 +211,7 @@ class Orchestrator:
             attempt.end(self.timeouts.grace_s, preempt=False)  # what is left of it
             self._outcome = self.policy.decide(self._reports)
             if self._outcome is None:
-                self._current = self._next(self._reports[-1])
+                self._current = self._next(self._reports[-1])  # None: too few ranks left
 
     def __exit__(
         self,
@@ -332,14 +336,31 @@ class Orchestrator:
         self.observer.progress(progress)
 
     # -- what next ---------------------------------------------------------------------------
-    def _next(self, report: AttemptReport) -> AttemptProcess:
-        """The next attempt: the standby, promoted, or a cold launch under a new number."""
+    def _next(self, report: AttemptReport) -> AttemptProcess | None:
+        """The next attempt: the standby, promoted, or a cold launch under a new number, on
+        as many ranks as the host has left (None, the job's outcome set: fewer than
+        ``recovery.min_ranks``)."""
         delay = self.policy.delay_s(self._reports)
         if delay > 0:
             self.log.warning("%s; relaunching in %.1f s", report.describe(), delay)
             self.sleep(delay)
+        ranks = self._ranks_for_next()
+        if ranks is None:
+            return None
         self._check_standby()  # a standby that died meanwhile is lost, not promoted
         standby, self._standby = self._standby, None
+        if ranks != self.spec.nproc:  # resized: a standby of the old size cannot serve
+            if standby is not None:
+                standby.release()
+                standby = None
+            self.log.warning(
+                "%s; relaunching on %d of %d ranks, resharded from the newest commit",
+                report.describe(),
+                ranks,
+                self.capacity.launched,
+            )
+            self.spec = dataclasses.replace(self.spec, nproc=ranks)
+            return self._spawn(standby=False)
         if standby is not None:
             how = f"promoting standby attempt {standby.number}"
         elif self._last_lost is not None:
@@ -354,6 +375,36 @@ class Orchestrator:
         standby.promote(self._job_state())
         self._standby_losses = 0
         return standby
+
+    def _ranks_for_next(self) -> int | None:
+        """The next attempt's ranks: every slot, once the lost ones return within
+        ``recovery.wait_for_capacity_s``; else what is left, if at least ``min_ranks``
+        (else None, and the job fails with one line saying so)."""
+        launched, recovery = self.capacity.launched, self.config.recovery
+        if self.capacity.ranks < launched:
+            self.log.warning(
+                "%d of %d rank slots lost: waiting up to %.0f s for them to return",
+                launched - self.capacity.ranks,
+                launched,
+                recovery.wait_for_capacity_s,
+            )
+        waited = 0.0
+        while self.capacity.ranks < launched and waited < recovery.wait_for_capacity_s:
+            step = min(CAPACITY_POLL_S, recovery.wait_for_capacity_s - waited)
+            self.sleep(step)
+            waited += step
+        ranks = self.capacity.ranks
+        minimum = recovery.min_ranks or launched
+        if ranks >= minimum:
+            return ranks
+        self._outcome = JobOutcome(
+            False,
+            f"capacity lost: {ranks} of {launched} rank slots left after "
+            f"{recovery.wait_for_capacity_s:g} s, recovery.min_ranks is {minimum}",
+            tuple(self._reports),
+        )
+        self.log.error("%s", self._outcome.message)
+        return None
 
     # -- the standby -------------------------------------------------------------------------
     @property

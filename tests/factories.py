@@ -231,3 +231,21 @@ def use_launcher(monkeypatch: Any, *launcher: str) -> None:
         return original(config, config_path, **{"launcher": launcher, **seams})
 
     monkeypatch.setattr(orchestrator.LaunchSpec, "of", staticmethod(of))
+
+
+def per_global_batch(config: JobConfig) -> dict[int, tuple[int, float]]:
+    """step -> (rows digest, mean loss) of its last attempt's execution, that attempt's ranks'
+    shares together: the same rows per global batch give the same digest at any world size
+    (issue 29), and a step redone on fewer ranks counts only the ranks that redid it."""
+    from infra.accounting.ledger_read import read_events
+
+    runs: dict[int, dict[int, dict[int, dict]]] = {}  # step -> attempt -> rank -> attrs
+    for e in read_events(config.layout):
+        if e.name == "train_step" and "loss" in e.attrs and e.step is not None:
+            runs.setdefault(e.step, {}).setdefault(e.attempt, {})[e.rank] = e.attrs
+    out: dict[int, tuple[int, float]] = {}
+    for step in sorted(runs):
+        shares = list(runs[step][max(runs[step])].values())  # its last attempt's ranks only
+        digest = sum(a["rows_digest"] for a in shares) % 2**64
+        out[step] = (digest, sum(a["loss"] for a in shares) / len(shares))
+    return out

@@ -1,0 +1,115 @@
+"""Capacity lost (issue 29, Must show 2): a 2-rank job whose rank 1 is SIGKILLed from outside
+and its slot marked lost goes on with 1 rank after ``recovery.wait_for_capacity_s``, resharded
+from the newest commit, consuming every global batch's rows exactly once; the report and the
+ledger show the resize. Attempt 0 is held in step 12 (after its commit of step 10) until the
+kill, so the kill lands at a known place."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from infra.accounting.ett import report_for_job
+from infra.accounting.ledger_format import Mark
+from infra.accounting.ledger_read import read_events
+from infra.accounting.report import format_table, recovery_lines
+from infra.config_sources import ConfigError
+from infra.exit_codes import ExitCode, Outcome
+from infra.settings import JobConfig, load_config
+from tasks.attempt import AttemptProcess
+from tasks.capacity import Capacity
+from tasks.orchestrator import Orchestrator
+from tests.factories import per_global_batch
+from tests.reliability.jobs import job_config, run_to_end
+
+STEPS = 15
+HELD_S = 120  # the longest attempt 0 is held before the kill
+WAIT_S = 1.0  # recovery.wait_for_capacity_s
+
+
+def _lose_rank_one(config: JobConfig, job: Orchestrator, attempt: AttemptProcess) -> None:
+    """Once attempt 0 has committed step 10: slot 1 lost, then its rank SIGKILLed."""
+    deadline = time.monotonic() + HELD_S
+    while time.monotonic() < deadline and attempt.poll() is None:
+        committed = any(
+            e.name == Mark.CHECKPOINT_COMMITTED and e.attempt == 0 and e.step == 10
+            for e in read_events(config.layout)
+        )
+        ranks = dict(enumerate(attempt.nodes[0].rank_exits()))
+        if committed and 1 in ranks:
+            job.capacity.lose(1)
+            os.kill(ranks[1][0], signal.SIGKILL)
+            return
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(HELD_S + 240)
+def test_a_rank_lost_for_good_goes_on_with_one_rank_every_row_once(
+    tmp_path: Path, data_url: str
+) -> None:
+    """Compared with a clean 2-rank run of the same job: the same rows per global batch."""
+    clean = job_config(tmp_path / "clean", data_url, STEPS, job_id="clean")
+    code, out = run_to_end(clean, tmp_path, nproc=2)
+    assert code == ExitCode.SUCCESS, out[-3000:]
+
+    recovery = {"max_failures": 1, "backoff_s": 0, "standby": False, "hang_timeout_s": HELD_S}
+    config = job_config(
+        tmp_path / "shrunk",
+        data_url,
+        STEPS,
+        job_id="shrunk",
+        launch={"nproc": 2},
+        faults=[{"kind": "hang", "step": 12, "attempt": 0}],  # held there until the kill
+        recovery={**recovery, "min_ranks": 1, "wait_for_capacity_s": WAIT_S},
+    )
+    with Orchestrator(config, env={"OMP_NUM_THREADS": "1"}) as job:
+        for attempt in job:
+            if attempt.number == 0:
+                args = (config, job, attempt)
+                threading.Thread(target=_lose_rank_one, args=args, daemon=True).start()
+            job.watch(attempt)
+    assert job.result is not None
+    outcome = job.result.outcome
+    assert [a.outcome.failed for a in outcome.attempts] == [True, False], outcome.message
+    assert outcome.succeeded, outcome.message
+
+    # Every global batch's rows, once: the digests of the clean 2-rank run, step for step
+    # (steps 11 and 12 redone by the 1-rank attempt count once, as it ran them).
+    want, got = per_global_batch(clean), per_global_batch(config)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert {s: d for s, (d, _) in got.items()} == {s: d for s, (d, _) in want.items()}
+
+    # The resize: in the ledger, in the report's recovery lines and world sizes.
+    report = report_for_job(config.layout)
+    [resize] = report.resizes
+    assert (resize.attempt, resize.step, resize.from_ranks, resize.to_ranks) == (1, 10, 2, 1)
+    assert "attempt 1 resized at step 10: 2 -> 1 ranks" in "\n".join(recovery_lines(report))
+    assert [(a.attempt, a.ranks) for a in report.attempts] == [(0, 2), (1, 1)]
+    assert "World size per attempt" in format_table(report)
+    assert [a.outcome for a in report.attempts][1] == Outcome.SUCCESS
+
+
+def test_min_ranks_above_the_launch_is_refused_in_one_line() -> None:
+    """A minimum the launch cannot reach is a config error naming both values."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, launch={"nproc": 2}, recovery={"min_ranks": 3})
+    # The config error's header, then the problem on one line of its own.
+    [problem] = [line for line in str(info.value).splitlines() if "min_ranks" in line]
+    assert "recovery.min_ranks 3 is more than launch.nproc 2" in problem
+
+
+def test_a_lost_slot_counts_until_it_is_regained() -> None:
+    """Losing a slot twice loses it once; a slot the host never had is refused."""
+    capacity = Capacity(2)
+    capacity.lose(1)
+    capacity.lose(1)
+    assert capacity.ranks == 1
+    capacity.regain(1)
+    assert capacity.ranks == 2
+    with pytest.raises(ValueError, match="rank slot 2 is not one of 0..1"):
+        capacity.lose(2)
