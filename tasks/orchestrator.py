@@ -31,11 +31,13 @@ trains and its standby parked, so it does not compete with their start for the C
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -155,6 +157,7 @@ class Orchestrator:
         self._last_lost: tuple[int, float] | None = None  # the last standby lost, and when
         self.policy = RetryPolicy(config.recovery)
         self.capacity = Capacity(config.launch.nproc)  # this host's rank slots, some lost
+        self._growing = False  # the smaller attempt was asked to commit and end: slots back
         self._recovered_in_process = 0
         self._settled = False
         self._lease: JobLease | None = None
@@ -322,6 +325,7 @@ class Orchestrator:
 
     def _progress(self, progress: Progress) -> None:
         self._check_standby()
+        self._grow_back(progress)
         if progress.phase == Phase.TRAINING:
             if self._wants_standby and self._standby is None:
                 self._standby = self._spawn(standby=True)
@@ -347,6 +351,7 @@ class Orchestrator:
         ranks = self._ranks_for_next()
         if ranks is None:
             return None
+        self._growing = False
         self._check_standby()  # a standby that died meanwhile is lost, not promoted
         standby, self._standby = self._standby, None
         if ranks != self.spec.nproc:  # resized: a standby of the old size cannot serve
@@ -375,6 +380,34 @@ class Orchestrator:
         standby.promote(self._job_state())
         self._standby_losses = 0
         return standby
+
+    def _grow_back(self, progress: Progress) -> None:
+        """An attempt running smaller than the host's slots now allow: preempt it (SIGTERM to
+        its launcher: it commits a durable checkpoint at its step boundary and exits), so the
+        next attempt relaunches at the larger size from that commit."""
+        attempt = self._current
+        if (
+            self._growing
+            or attempt is None
+            or self._fleet is not None
+            or progress.phase != Phase.TRAINING
+            or self.config.checkpoint.mode == CheckpointMode.OFF
+            or self.spec.nproc >= self.capacity.ranks
+        ):
+            return
+        self._growing = True
+        self.log.warning(
+            "%d rank slots usable again: attempt %d (%d ranks) checkpoints and ends, the job "
+            "relaunches on %d ranks from that commit",
+            self.capacity.ranks,
+            attempt.number,
+            self.spec.nproc,
+            self.capacity.ranks,
+        )
+        for node in attempt.nodes:
+            for pid in node.pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
 
     def _ranks_for_next(self) -> int | None:
         """The next attempt's ranks: every slot, once the lost ones return within

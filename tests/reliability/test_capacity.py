@@ -27,7 +27,7 @@ from tasks.orchestrator import Orchestrator
 from tests.factories import per_global_batch
 from tests.reliability.jobs import job_config, run_to_end
 
-STEPS = 15
+STEPS = 40  # enough steps after the kill for the grow-back to land before the end
 HELD_S = 120  # the longest attempt 0 is held before the kill
 WAIT_S = 1.0  # recovery.wait_for_capacity_s
 
@@ -48,41 +48,63 @@ def _lose_rank_one(config: JobConfig, job: Orchestrator, attempt: AttemptProcess
         time.sleep(0.1)
 
 
-@pytest.mark.timeout(HELD_S + 240)
-def test_a_rank_lost_for_good_goes_on_with_one_rank_every_row_once(
-    tmp_path: Path, data_url: str
-) -> None:
-    """Compared with a clean 2-rank run of the same job: the same rows per global batch."""
-    clean = job_config(tmp_path / "clean", data_url, STEPS, job_id="clean")
-    code, out = run_to_end(clean, tmp_path, nproc=2)
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory, data_url: str) -> JobConfig:
+    """The same job on 2 ranks throughout, uninterrupted: the rows every run must match."""
+    tmp_path = tmp_path_factory.mktemp("clean")
+    config = job_config(tmp_path, data_url, STEPS, job_id="clean")
+    code, out = run_to_end(config, tmp_path, nproc=2)
     assert code == ExitCode.SUCCESS, out[-3000:]
+    return config
 
-    recovery = {"max_failures": 1, "backoff_s": 0, "standby": False, "hang_timeout_s": HELD_S}
-    config = job_config(
-        tmp_path / "shrunk",
-        data_url,
-        STEPS,
-        job_id="shrunk",
-        launch={"nproc": 2},
-        faults=[{"kind": "hang", "step": 12, "attempt": 0}],  # held there until the kill
-        recovery={**recovery, "min_ranks": 1, "wait_for_capacity_s": WAIT_S},
-    )
+
+def _run(config: JobConfig, grow_back: bool) -> Orchestrator:
+    """The job to its end; ``grow_back``: slot 1 returns as soon as attempt 1 (1 rank) has
+    been launched, so the job grows back at its first training step."""
     with Orchestrator(config, env={"OMP_NUM_THREADS": "1"}) as job:
         for attempt in job:
             if attempt.number == 0:
                 args = (config, job, attempt)
                 threading.Thread(target=_lose_rank_one, args=args, daemon=True).start()
+            elif attempt.number == 1 and grow_back:
+                job.capacity.regain(1)
             job.watch(attempt)
+    return job
+
+
+def _shrinking_job(tmp_path: Path, data_url: str, job_id: str) -> JobConfig:
+    recovery = {"max_failures": 1, "backoff_s": 0, "standby": False, "hang_timeout_s": HELD_S}
+    return job_config(
+        tmp_path,
+        data_url,
+        STEPS,
+        job_id=job_id,
+        launch={"nproc": 2},
+        faults=[{"kind": "hang", "step": 12, "attempt": 0}],  # held there until the kill
+        recovery={**recovery, "min_ranks": 1, "wait_for_capacity_s": WAIT_S},
+    )
+
+
+def _assert_same_rows(clean: JobConfig, config: JobConfig) -> None:
+    """Every global batch's rows once: the clean run's digests, step for step (steps redone
+    after the kill count once, as their last attempt ran them)."""
+    want, got = per_global_batch(clean), per_global_batch(config)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert {s: d for s, (d, _) in got.items()} == {s: d for s, (d, _) in want.items()}
+
+
+@pytest.mark.timeout(HELD_S + 240)
+def test_a_rank_lost_for_good_goes_on_with_one_rank_every_row_once(
+    tmp_path: Path, data_url: str, clean: JobConfig
+) -> None:
+    """Rank 1 SIGKILLed, its slot lost, min_ranks 1: attempt 1 runs on 1 rank from step 10."""
+    config = _shrinking_job(tmp_path, data_url, "shrunk")
+    job = _run(config, grow_back=False)
     assert job.result is not None
     outcome = job.result.outcome
     assert [a.outcome.failed for a in outcome.attempts] == [True, False], outcome.message
     assert outcome.succeeded, outcome.message
-
-    # Every global batch's rows, once: the digests of the clean 2-rank run, step for step
-    # (steps 11 and 12 redone by the 1-rank attempt count once, as it ran them).
-    want, got = per_global_batch(clean), per_global_batch(config)
-    assert sorted(got) == list(range(1, STEPS + 1))
-    assert {s: d for s, (d, _) in got.items()} == {s: d for s, (d, _) in want.items()}
+    _assert_same_rows(clean, config)
 
     # The resize: in the ledger, in the report's recovery lines and world sizes.
     report = report_for_job(config.layout)
@@ -91,7 +113,29 @@ def test_a_rank_lost_for_good_goes_on_with_one_rank_every_row_once(
     assert "attempt 1 resized at step 10: 2 -> 1 ranks" in "\n".join(recovery_lines(report))
     assert [(a.attempt, a.ranks) for a in report.attempts] == [(0, 2), (1, 1)]
     assert "World size per attempt" in format_table(report)
-    assert [a.outcome for a in report.attempts][1] == Outcome.SUCCESS
+
+
+@pytest.mark.timeout(HELD_S + 240)
+def test_the_job_grows_back_at_its_next_commit_once_the_slot_returns(
+    tmp_path: Path, data_url: str, clean: JobConfig
+) -> None:
+    """Slot 1 back while attempt 1 trains on 1 rank: attempt 1 is preempted (it commits at
+    its step boundary) and attempt 2 resumes on 2 ranks from that commit."""
+    config = _shrinking_job(tmp_path, data_url, "regrown")
+    job = _run(config, grow_back=True)
+    assert job.result is not None
+    outcome = job.result.outcome
+    got = [a.outcome for a in outcome.attempts]
+    assert got[1:] == [Outcome.PREEMPTED, Outcome.SUCCESS], outcome.message
+    assert got[0].failed and outcome.succeeded, outcome.message
+    _assert_same_rows(clean, config)
+
+    report = report_for_job(config.layout)
+    shrink, grow = report.resizes
+    assert (shrink.attempt, shrink.from_ranks, shrink.to_ranks) == (1, 2, 1)
+    assert (grow.attempt, grow.from_ranks, grow.to_ranks) == (2, 1, 2)
+    assert grow.step > shrink.step  # the commit attempt 1 made when it was preempted
+    assert [(a.attempt, a.ranks) for a in report.attempts] == [(0, 2), (1, 1), (2, 2)]
 
 
 def test_min_ranks_above_the_launch_is_refused_in_one_line() -> None:
