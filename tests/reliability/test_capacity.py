@@ -24,7 +24,7 @@ from infra.settings import JobConfig, load_config
 from tasks.attempt import AttemptProcess
 from tasks.capacity import Capacity
 from tasks.orchestrator import Orchestrator
-from tests.factories import per_global_batch
+from tests.factories import per_global_batch, tiny_config
 from tests.reliability.jobs import job_config, run_to_end
 
 STEPS = 40  # enough steps after the kill for the grow-back to land before the end
@@ -157,3 +157,33 @@ def test_a_lost_slot_counts_until_it_is_regained() -> None:
     assert capacity.ranks == 2
     with pytest.raises(ValueError, match="rank slot 2 is not one of 0..1"):
         capacity.lose(2)
+
+
+def _decider(tmp_path: Path, min_ranks: int | None) -> tuple[Orchestrator, list[float]]:
+    """An orchestrator never entered (nothing launched): its decision of the next size, with
+    a sleep that records its waits instead of waiting."""
+    recovery = {"min_ranks": min_ranks, "wait_for_capacity_s": 3.0}
+    config = tiny_config(tmp_path, launch={"nproc": 2}, recovery=recovery)
+    waits: list[float] = []
+    return Orchestrator(config, sleep=waits.append), waits
+
+
+def test_too_few_slots_left_fail_the_job_in_one_line_after_the_wait(tmp_path: Path) -> None:
+    """The default minimum is the launched size: a lost slot never shrinks the job."""
+    job, waits = _decider(tmp_path, None)
+    job.capacity.lose(0)
+    assert job._ranks_for_next() is None
+    assert sum(waits) == pytest.approx(3.0)
+    assert job._outcome is not None and not job._outcome.succeeded
+    assert job._outcome.message == (
+        "capacity lost: 1 of 2 rank slots left after 3 s, recovery.min_ranks is 2"
+    )
+
+
+def test_a_slot_back_within_the_wait_relaunches_at_full_size(tmp_path: Path) -> None:
+    """The wait ends as soon as the lost slot is regained: no resize."""
+    job, waits = _decider(tmp_path, 1)
+    job.capacity.lose(1)
+    job.sleep = lambda s: (waits.append(s), job.capacity.regain(1))
+    assert job._ranks_for_next() == 2
+    assert len(waits) == 1 and job._outcome is None
