@@ -234,18 +234,26 @@ def use_launcher(monkeypatch: Any, *launcher: str) -> None:
 
 
 def per_global_batch(config: JobConfig) -> dict[int, tuple[int, float]]:
-    """step -> (rows digest, mean loss) of its last attempt's execution, that attempt's ranks'
-    shares together: the same rows per global batch give the same digest at any world size
-    (issue 29), and a step redone on fewer ranks counts only the ranks that redid it."""
+    """step -> (rows digest, mean loss) of its last execution, the ranks' shares together: the
+    same rows per global batch give the same digest at any world size (issue 29). A step's
+    last execution is rank 0's last, on its attempt's world size (its ``model_flops`` mark):
+    a step redone on fewer ranks counts only the ranks that redid it."""
     from infra.accounting.ledger_read import read_events
 
-    runs: dict[int, dict[int, dict[int, dict]]] = {}  # step -> attempt -> rank -> attrs
-    for e in read_events(config.layout):
+    events = read_events(config.layout)
+    world = {
+        e.attempt: int(e.attrs["world_size"])
+        for e in events
+        if e.name == "model_flops" and e.rank == 0
+    }
+    last: dict[tuple[int, int], Any] = {}  # (step, rank) -> its last execution
+    for e in sorted(events, key=lambda e: e.start):
         if e.name == "train_step" and "loss" in e.attrs and e.step is not None:
-            runs.setdefault(e.step, {}).setdefault(e.attempt, {})[e.rank] = e.attrs
+            last[(e.step, e.rank)] = e
     out: dict[int, tuple[int, float]] = {}
-    for step in sorted(runs):
-        shares = list(runs[step][max(runs[step])].values())  # its last attempt's ranks only
+    for step in sorted({s for s, _ in last}):
+        ranks = world.get(last[(step, 0)].attempt, 1)
+        shares = [last[(step, r)].attrs for r in range(ranks)]
         digest = sum(a["rows_digest"] for a in shares) % 2**64
         out[step] = (digest, sum(a["loss"] for a in shares) / len(shares))
     return out

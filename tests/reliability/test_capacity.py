@@ -11,20 +11,25 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from mlflow import MlflowClient
 
 from infra.accounting.ett import report_for_job
 from infra.accounting.ledger_format import Mark
 from infra.accounting.ledger_read import read_events
 from infra.accounting.report import format_table, recovery_lines
+from infra.accounting.summary import JobSummary
 from infra.config_sources import ConfigError
 from infra.exit_codes import ExitCode, Outcome
 from infra.settings import JobConfig, load_config
+from infra.tracking import mlflow_runs
 from tasks.attempt import AttemptProcess
 from tasks.capacity import Capacity
 from tasks.orchestrator import Orchestrator
 from tests.factories import per_global_batch, tiny_config
+from tests.infra.test_tracking import sqlite_store
 from tests.reliability.jobs import job_config, run_to_end
 
 STEPS = 40  # enough steps after the kill for the grow-back to land before the end
@@ -72,7 +77,7 @@ def _run(config: JobConfig, grow_back: bool) -> Orchestrator:
     return job
 
 
-def _shrinking_job(tmp_path: Path, data_url: str, job_id: str) -> JobConfig:
+def _shrinking_job(tmp_path: Path, data_url: str, job_id: str, **sections: Any) -> JobConfig:
     recovery = {"max_failures": 1, "backoff_s": 0, "standby": False, "hang_timeout_s": HELD_S}
     return job_config(
         tmp_path,
@@ -82,6 +87,7 @@ def _shrinking_job(tmp_path: Path, data_url: str, job_id: str) -> JobConfig:
         launch={"nproc": 2},
         faults=[{"kind": "hang", "step": 12, "attempt": 0}],  # held there until the kill
         recovery={**recovery, "min_ranks": 1, "wait_for_capacity_s": WAIT_S},
+        **sections,
     )
 
 
@@ -95,10 +101,12 @@ def _assert_same_rows(clean: JobConfig, config: JobConfig) -> None:
 
 @pytest.mark.timeout(HELD_S + 240)
 def test_a_rank_lost_for_good_goes_on_with_one_rank_every_row_once(
-    tmp_path: Path, data_url: str, clean: JobConfig
+    tmp_path: Path, data_url: str, clean: JobConfig, request: pytest.FixtureRequest
 ) -> None:
     """Rank 1 SIGKILLed, its slot lost, min_ranks 1: attempt 1 runs on 1 rank from step 10."""
-    config = _shrinking_job(tmp_path, data_url, "shrunk")
+    mlflow_store = sqlite_store(request, tmp_path / "mlflow")
+    tracking = {"mlflow_uri": mlflow_store}
+    config = _shrinking_job(tmp_path, data_url, "shrunk", tracking=tracking)
     job = _run(config, grow_back=False)
     assert job.result is not None
     outcome = job.result.outcome
@@ -113,6 +121,12 @@ def test_a_rank_lost_for_good_goes_on_with_one_rank_every_row_once(
     assert "attempt 1 resized at step 10: 2 -> 1 ranks" in "\n".join(recovery_lines(report))
     assert [(a.attempt, a.ranks) for a in report.attempts] == [(0, 2), (1, 1)]
     assert "World size per attempt" in format_table(report)
+
+    # ...and on the job's MLflow run, a tag of its own.
+    run_id = mlflow_runs.start_job_run(config)
+    mlflow_runs.log_job_report(run_id, JobSummary.read(config.layout))
+    tags = MlflowClient(tracking_uri=mlflow_store).get_run(run_id).data.tags
+    assert tags["ett.resizes"] == resize.describe()
 
 
 @pytest.mark.timeout(HELD_S + 240)
