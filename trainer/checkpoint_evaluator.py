@@ -33,6 +33,7 @@ It takes one torch thread at a lowered priority, so training keeps the machine's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -149,6 +150,11 @@ class Lifeline:
             try:
                 self._on_exit(self._reason)
             finally:
+                # os._exit skips the interpreter's flush: stdout to a file or pipe is block
+                # buffered, and the last log lines (why it stopped) would be lost.
+                for stream in (sys.stdout, sys.stderr):
+                    with contextlib.suppress(Exception):
+                        stream.flush()
                 os._exit(ExitCode.SUCCESS)
 
 

@@ -18,9 +18,7 @@ import base64
 import contextlib
 import itertools
 import json
-import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -30,6 +28,8 @@ from types import TracebackType
 from typing import Any
 
 from websockets.sync.client import ClientConnection, connect
+
+from infra.devstack import servers
 
 BINARIES = ("chromium", "chromium-browser", "google-chrome")
 START_TIMEOUT_S = 60.0
@@ -179,13 +179,9 @@ class Chromium:
         if self.ws is not None:
             self.ws.close()
             self.ws = None
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
+        if self.process is not None:  # its renderers and zygotes are in its group
+            servers.stop([self.process.pid], grace_s=10.0)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=10)
-        if self.process is not None:
-            with contextlib.suppress(ProcessLookupError):  # its renderers and zygotes too
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+                self.process.wait(timeout=5.0)
         self.process = None
         shutil.rmtree(self.profile, ignore_errors=True)

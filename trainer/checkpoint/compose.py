@@ -13,7 +13,6 @@ newest checkpoint below it (restore.py), which is the last good link of the same
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -34,12 +33,11 @@ from infra.checkpoint_manifest import (
     CommitKind,
     CommittedCheckpoint,
     committed_checkpoints,
-    rank_state_name,
 )
 from infra.control import scratch_dir
 from infra.job_layout import JobLayout
 from trainer.checkpoint.delta import ROWS_KEY, apply_rows, rows_file, without
-from trainer.checkpoint.restore import fetch
+from trainer.checkpoint.restore import fetch, read_json_state
 from trainer.unsharded import load_model_weights
 
 log = logging.getLogger(__name__)
@@ -71,9 +69,11 @@ def load_chain(
     process_group: dist.ProcessGroup | None,
     load_full: LoadFull,
     no_dist: bool = False,
+    world_size: int | None = None,
 ) -> dict[str, Any]:
     """Fill ``state`` in place with the delta ``ckpt`` composed over its chain, and return
-    this rank's JSON state. ChainBroken names the first unusable link."""
+    this rank's JSON state (rank 0's when ``world_size`` is not the writer's, as for a full
+    checkpoint). ChainBroken names the first unusable link."""
     chain = chain_for(ckpt)
     try:
         load_full(chain[0], state)
@@ -96,11 +96,7 @@ def load_chain(
                 tables = {path for payload in payloads for path in payload[ROWS_KEY]}
                 dense = without(state, tables)
                 dcp.load(dense, checkpoint_id=local, process_group=process_group, no_dist=no_dist)
-                extra = os.path.join(local, rank_state_name(rank))
-                if not os.path.exists(extra):
-                    return {}
-                with open(extra) as fh:
-                    return json.load(fh)
+                return read_json_state(local, link, rank, world_size)
             except (OSError, RuntimeError, ValueError, KeyError, CheckpointException) as exc:
                 raise CheckpointError(f"checkpoint {ckpt.url} could not be loaded: {exc}") from exc
         finally:

@@ -106,6 +106,18 @@ def json_rank(ckpt: CommittedCheckpoint, rank: int, world_size: int | None) -> i
     return rank if world_size in (None, ckpt.manifest.world_size) else 0
 
 
+def read_json_state(
+    local: str, ckpt: CommittedCheckpoint, rank: int, world_size: int | None
+) -> dict[str, Any]:
+    """This rank's JSON state (step, data position, ...) from the checkpoint's verified
+    local folder: whose, ``json_rank`` says; {} for a checkpoint written without one."""
+    path = os.path.join(local, rank_state_name(json_rank(ckpt, rank, world_size)))
+    if not os.path.exists(path):
+        return {}
+    with open(path) as fh:
+        return dict(json.load(fh))
+
+
 def fetch(ckpt: CommittedCheckpoint, into: str) -> str:
     """A verified local folder holding the checkpoint: in place on local disk, downloaded
     (into ``into``) from object storage. Raises CheckpointCorrupt for a missing or altered
@@ -148,18 +160,14 @@ def load_into(
         def load_full(link: CommittedCheckpoint, into: dict[str, Any]) -> dict[str, Any]:
             return load_into(link, into, rank, process_group, no_dist)
 
-        return load_chain(ckpt, state, rank, process_group, load_full, no_dist)
+        return load_chain(ckpt, state, rank, process_group, load_full, no_dist, world_size)
     tmp = tempfile.mkdtemp(prefix="ett-restore-", dir=scratch_dir())
     try:
         local = fetch(ckpt, tmp)
         try:
             written_by = ckpt.manifest.world_size
             load_resharded(state, local, rank, written_by, process_group, no_dist)
-            extra_path = os.path.join(local, rank_state_name(json_rank(ckpt, rank, world_size)))
-            if not os.path.exists(extra_path):
-                return {}
-            with open(extra_path) as fh:
-                return json.load(fh)
+            return read_json_state(local, ckpt, rank, world_size)
         except (OSError, RuntimeError, ValueError, KeyError, CheckpointException) as exc:
             # DCP reports read failures as CheckpointException, a BaseException subclass.
             raise CheckpointError(f"checkpoint {ckpt.url} could not be loaded: {exc}") from exc

@@ -182,6 +182,12 @@ def test_full_and_three_deltas_equal_a_full_checkpoint_and_resume_exactly(
     differing = [k for k in full if not torch.equal(full[k], composed[k])]
     assert differing == []
 
+    # A rank the writer did not have (a resize) reads the job's step from rank 0's state.
+    def rank_state(rank: int, world_size: int) -> dict[str, Any]:
+        return load_chain(ckpts[20], {}, rank, None, lambda *_: {}, True, world_size)
+
+    assert rank_state(nproc, nproc + 1)["step"] == rank_state(0, nproc)["step"] == 20
+
     # Publishing (and the side evaluator) read the composed state into one CPU model.
     models = [
         publish_load.load(publish_load.resolve(url), job, str(tmp_path / name)).model.state_dict()
