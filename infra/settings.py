@@ -29,6 +29,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import time
 from contextvars import ContextVar
 from enum import StrEnum
@@ -347,6 +348,29 @@ class StandbyPark(StrEnum):
     DEVICE = "device"  # built, sharded and warmed up on the device before it parks
 
 
+HEALTH_AUTO = "auto"  # recovery.health_check: the built-in check on a CUDA host
+
+
+def health_argv(command: str, slot: int, device: str) -> list[str]:
+    """``recovery.health_check``'s command line for one rank slot: split as a shell would
+    (no shell runs it), ``{slot}`` and ``{device}`` substituted in every word. Raises
+    ValueError, one line, for a command that cannot be split or names another placeholder."""
+    try:
+        words = shlex.split(command)
+    except ValueError as exc:
+        raise ValueError(f"recovery.health_check {command!r} cannot be split: {exc}") from None
+    if not words:
+        raise ValueError("recovery.health_check is empty: give a command, 'auto' or null")
+    try:
+        return [word.format(slot=slot, device=device) for word in words]
+    except (KeyError, IndexError, ValueError) as exc:
+        what = f"{{{exc.args[0]}}}" if isinstance(exc, KeyError) else str(exc)
+        raise ValueError(
+            f"recovery.health_check {command!r}: only {{slot}} and {{device}} are substituted "
+            f"(write {{{{ and }}}} for literal braces), not {what}"
+        ) from None
+
+
 class RecoveryConfig(_Frozen):
     """How a job survives failures: the orchestrator's retries, timeouts and warm standby
     (tasks/orchestrator.py), and the trainer's in-process restart (trainer/restart.py)."""
@@ -394,6 +418,19 @@ class RecoveryConfig(_Frozen):
     min_ranks: int | None = Field(default=None, ge=1, le=1024)
     min_nodes: int | None = Field(default=None, ge=1, le=1024)
     wait_for_capacity_s: float = Field(default=60.0, ge=0, le=86_400)
+    # What marks a rank slot lost (tasks/health.py): a command run per slot, {slot} (local
+    # rank) and {device} (its CUDA device) substituted, no shell; exit 0 is usable, anything
+    # else or no answer within health_check_timeout_s is lost. "auto": nvidia-smi's query of
+    # the slot's device on a CUDA host, none elsewhere; null: none (no slot is ever lost).
+    health_check: str | None = HEALTH_AUTO
+    health_check_timeout_s: float = Field(default=10.0, gt=0, le=600)
+
+    @field_validator("health_check")
+    @classmethod
+    def _a_command(cls, value: str | None) -> str | None:
+        if value is not None and value != HEALTH_AUTO:
+            health_argv(value, 0, "0")  # raises, in one line, on what cannot run
+        return value
 
 
 class FaultConfig(_Frozen):

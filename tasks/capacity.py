@@ -1,7 +1,7 @@
 """The rank slots of this host a job may still use (docs/recovery.md, "Capacity lost").
 
-A slot is lost when whatever watches the host's devices says so (``lose``): its rank's next
-launch would fail again. The orchestrator reads ``ranks`` before each launch: fewer than the
+A slot is lost when the host's health check says so (``lose``, tasks/health.py): its rank's
+next launch would fail again. The orchestrator reads ``ranks`` before each launch: fewer than the
 launched size means the next attempt waits for the slot to return and, past
 ``recovery.wait_for_capacity_s``, runs smaller, resharded from the newest commit. Thread-safe:
 a health check marks slots from a thread of its own while the orchestrator watches."""
@@ -42,3 +42,15 @@ class Capacity:
         """The ranks a launch may use now."""
         with self._lock:
             return self.launched - len(self._lost)
+
+    @property
+    def lost(self) -> tuple[int, ...]:
+        """The slots lost now, in order."""
+        with self._lock:
+            return tuple(sorted(self._lost))
+
+    @property
+    def usable(self) -> tuple[int, ...]:
+        """The slots a launch may use now, in order: local rank i runs on the i-th."""
+        with self._lock:
+            return tuple(s for s in range(self.launched) if s not in self._lost)

@@ -64,7 +64,7 @@ from infra.settings import (
     dump_config,
     load_config,
 )
-from tasks import job_identity
+from tasks import health, job_identity
 from tasks.attempt import (
     LOCAL_ADDRESS,
     AttemptProcess,
@@ -157,6 +157,8 @@ class Orchestrator:
         self._last_lost: tuple[int, float] | None = None  # the last standby lost, and when
         self.policy = RetryPolicy(config.recovery)
         self.capacity = Capacity(config.launch.nproc)  # this host's rank slots, some lost
+        self.health: health.HealthMonitor | None = None  # what marks them lost (or back)
+        self._slots = tuple(range(config.launch.nproc))  # the running attempt's
         self._growing = False  # the smaller attempt was asked to commit and end: slots back
         self._recovered_in_process = 0
         self._settled = False
@@ -188,6 +190,7 @@ class Orchestrator:
             dump_config(self.config, path)
             storage.write_text(self.layout.config, config_yaml(self.config))  # the job's record
             self.spec = LaunchSpec.of(self.config, path, **self._launch_seams)
+            self._launched = self.spec  # every slot's: a smaller attempt's is derived from it
             pool = self.config.launch.work_pool
             if self.spec.nnodes > 1:
                 self._rendezvous = RendezvousHost(advertise_address() if pool else LOCAL_ADDRESS)
@@ -199,6 +202,8 @@ class Orchestrator:
             if self.first_attempt:
                 self._measure_clocks()
             self._current = self._spawn(standby=False)
+            if self._fleet is None and self.spec.nnodes == 1:  # this host's slots: checked
+                self.health = health.monitor(self.config, self.capacity, self.spec.env, self.log)
         except BaseException:
             self._cleanup()
             raise
@@ -252,6 +257,8 @@ class Orchestrator:
             if self._current is not None:
                 self._current.end(self.timeouts.grace_s, preempt=False)
         finally:
+            if self.health is not None:
+                self.health.close()
             if hasattr(self, "evaluator"):
                 self.evaluator.stop()
             if self._fleet is not None:
@@ -348,23 +355,27 @@ class Orchestrator:
         if delay > 0:
             self.log.warning("%s; relaunching in %.1f s", report.describe(), delay)
             self.sleep(delay)
-        ranks = self._ranks_for_next()
-        if ranks is None:
+        slots = self._ranks_for_next()
+        if slots is None:
             return None
         self._growing = False
         self._check_standby()  # a standby that died meanwhile is lost, not promoted
         standby, self._standby = self._standby, None
-        if ranks != self.spec.nproc:  # resized: a standby of the old size cannot serve
+        if slots != self._slots:  # resized: a standby of the old slots cannot serve
             if standby is not None:
                 standby.release()
                 standby = None
             self.log.warning(
-                "%s; relaunching on %d of %d ranks, resharded from the newest commit",
+                "%s; relaunching on %d of %d ranks (slots %s), resharded from the newest commit",
                 report.describe(),
-                ranks,
+                len(slots),
                 self.capacity.launched,
+                ",".join(map(str, slots)),
             )
-            self.spec = dataclasses.replace(self.spec, nproc=ranks)
+            self._slots, launched = slots, self._launched
+            cuda = health.cuda_host(self.config)  # its ranks see only the usable devices
+            env = health.attempt_env(launched.env, slots, self.capacity.launched, cuda)
+            self.spec = dataclasses.replace(launched, nproc=len(slots), env=env)
             return self._spawn(standby=False)
         if standby is not None:
             how = f"promoting standby attempt {standby.number}"
@@ -409,10 +420,13 @@ class Orchestrator:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
 
-    def _ranks_for_next(self) -> int | None:
-        """The next attempt's ranks: every slot, once the lost ones return within
-        ``recovery.wait_for_capacity_s``; else what is left, if at least ``min_ranks``
-        (else None, and the job fails with one line saying so)."""
+    def _ranks_for_next(self) -> tuple[int, ...] | None:
+        """The next attempt's rank slots: every slot, once the lost ones return within
+        ``recovery.wait_for_capacity_s``; else the usable ones, if at least ``min_ranks``
+        (else None, and the job fails with one line saying so). The health check probes
+        every slot first; its thread probes the lost ones again while this waits."""
+        if self.health is not None:
+            self.health.check_all()
         launched, recovery = self.capacity.launched, self.config.recovery
         if self.capacity.ranks < launched:
             self.log.warning(
@@ -426,10 +440,10 @@ class Orchestrator:
             step = min(CAPACITY_POLL_S, recovery.wait_for_capacity_s - waited)
             self.sleep(step)
             waited += step
-        ranks = self.capacity.ranks
-        minimum = recovery.min_ranks or launched
+        slots = self.capacity.usable
+        ranks, minimum = len(slots), recovery.min_ranks or launched
         if ranks >= minimum:
-            return ranks
+            return slots
         self._outcome = JobOutcome(
             False,
             f"capacity lost: {ranks} of {launched} rank slots left after "

@@ -1,11 +1,15 @@
 """Capacity lost (issue 29, Must show 2): a 2-rank job whose rank 1 is SIGKILLed from outside
-and its slot marked lost goes on with 1 rank after ``recovery.wait_for_capacity_s``, resharded
-from the newest commit, consuming every global batch's rows exactly once; the report and the
-ledger show the resize. Attempt 0 is held in step 12 (after its commit of step 10) until the
-kill, so the kill lands at a known place."""
+while its device fails goes on with 1 rank after ``recovery.wait_for_capacity_s``, resharded
+from the newest commit, consuming every global batch's rows exactly once; the report, the
+ledger and the MLflow run show the resize. The slot is lost the way a user's job loses it:
+the job's ``recovery.health_check`` (tests/health_probe.py, failing while a file says the
+device is gone) fails for it when the orchestrator probes the slots before the relaunch, and
+passes again once the file is removed, and the job grows back. Attempt 0 is held in step 12
+(after its commit of step 10) until the kill, so the kill lands at a known place."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -27,7 +31,9 @@ from infra.settings import JobConfig, load_config
 from infra.tracking import mlflow_runs
 from tasks.attempt import AttemptProcess
 from tasks.capacity import Capacity
+from tasks.health import HealthCheck, HealthMonitor
 from tasks.orchestrator import Orchestrator
+from tests import health_probe
 from tests.factories import per_global_batch, tiny_config
 from tests.infra.test_tracking import sqlite_store
 from tests.reliability.jobs import job_config, run_to_end
@@ -37,8 +43,9 @@ HELD_S = 120  # the longest attempt 0 is held before the kill
 WAIT_S = 1.0  # recovery.wait_for_capacity_s
 
 
-def _lose_rank_one(config: JobConfig, job: Orchestrator, attempt: AttemptProcess) -> None:
-    """Once attempt 0 has committed step 10: slot 1 lost, then its rank SIGKILLed."""
+def _lose_rank_one(config: JobConfig, devices: Path, attempt: AttemptProcess) -> None:
+    """Once attempt 0 has committed step 10: slot 1's device fails (its health check will
+    say so), then its rank is SIGKILLed."""
     deadline = time.monotonic() + HELD_S
     while time.monotonic() < deadline and attempt.poll() is None:
         committed = any(
@@ -47,7 +54,7 @@ def _lose_rank_one(config: JobConfig, job: Orchestrator, attempt: AttemptProcess
         )
         ranks = dict(enumerate(attempt.nodes[0].rank_exits()))
         if committed and 1 in ranks:
-            job.capacity.lose(1)
+            (devices / "lost-1").touch()
             os.kill(ranks[1][0], signal.SIGKILL)
             return
         time.sleep(0.1)
@@ -63,22 +70,30 @@ def clean(tmp_path_factory: pytest.TempPathFactory, data_url: str) -> JobConfig:
     return config
 
 
-def _run(config: JobConfig, grow_back: bool) -> Orchestrator:
-    """The job to its end; ``grow_back``: slot 1 returns as soon as attempt 1 (1 rank) has
-    been launched, so the job grows back at its first training step."""
+def _run(config: JobConfig, devices: Path, grow_back: bool) -> Orchestrator:
+    """The job to its end; ``grow_back``: slot 1's device returns as soon as attempt 1 (1
+    rank) has been launched; the health check's recheck regains it, the job grows back."""
     with Orchestrator(config, env={"OMP_NUM_THREADS": "1"}) as job:
         for attempt in job:
             if attempt.number == 0:
-                args = (config, job, attempt)
+                args = (config, devices, attempt)
                 threading.Thread(target=_lose_rank_one, args=args, daemon=True).start()
             elif attempt.number == 1 and grow_back:
-                job.capacity.regain(1)
+                (devices / "lost-1").unlink()
             job.watch(attempt)
     return job
 
 
 def _shrinking_job(tmp_path: Path, data_url: str, job_id: str, **sections: Any) -> JobConfig:
-    recovery = {"max_failures": 1, "backoff_s": 0, "standby": False, "hang_timeout_s": HELD_S}
+    """Slots checked by tests/health_probe.py on ``tmp_path / "devices"``."""
+    (tmp_path / "devices").mkdir()
+    recovery = {
+        "max_failures": 1,
+        "backoff_s": 0,
+        "standby": False,
+        "hang_timeout_s": HELD_S,
+        "health_check": health_probe.command(tmp_path / "devices"),
+    }
     return job_config(
         tmp_path,
         data_url,
@@ -101,14 +116,24 @@ def _assert_same_rows(clean: JobConfig, config: JobConfig) -> None:
 
 @pytest.mark.timeout(HELD_S + 240)
 def test_a_rank_lost_for_good_goes_on_with_one_rank_every_row_once(
-    tmp_path: Path, data_url: str, clean: JobConfig, request: pytest.FixtureRequest
+    tmp_path: Path,
+    data_url: str,
+    clean: JobConfig,
+    request: pytest.FixtureRequest,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Rank 1 SIGKILLed, its slot lost, min_ranks 1: attempt 1 runs on 1 rank from step 10."""
+    """Rank 1 SIGKILLed, its device failing its health check, min_ranks 1: attempt 1 runs
+    on 1 rank from step 10."""
     mlflow_store = sqlite_store(request, tmp_path / "mlflow")
     tracking = {"mlflow_uri": mlflow_store}
     config = _shrinking_job(tmp_path, data_url, "shrunk", tracking=tracking)
-    job = _run(config, grow_back=False)
+    with caplog.at_level(logging.WARNING, logger="ett.orchestrator"):
+        job = _run(config, tmp_path / "devices", grow_back=False)
     assert job.result is not None
+    said = [r.getMessage() for r in caplog.records if r.name == "ett.orchestrator"]
+    lost = "rank slot 1 lost (health check): exit 3: slot 1: device gone (lost-1 present)"
+    assert said.count(lost) == 1, said
+    assert any("relaunching on 1 of 2 ranks (slots 0)" in line for line in said), said
     outcome = job.result.outcome
     assert [a.outcome.failed for a in outcome.attempts] == [True, False], outcome.message
     assert outcome.succeeded, outcome.message
@@ -131,13 +156,17 @@ def test_a_rank_lost_for_good_goes_on_with_one_rank_every_row_once(
 
 @pytest.mark.timeout(HELD_S + 240)
 def test_the_job_grows_back_at_its_next_commit_once_the_slot_returns(
-    tmp_path: Path, data_url: str, clean: JobConfig
+    tmp_path: Path, data_url: str, clean: JobConfig, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Slot 1 back while attempt 1 trains on 1 rank: attempt 1 is preempted (it commits at
-    its step boundary) and attempt 2 resumes on 2 ranks from that commit."""
+    """Slot 1's device back while attempt 1 trains on 1 rank: the recheck regains it,
+    attempt 1 is preempted (it commits at its step boundary) and attempt 2 resumes on 2
+    ranks from that commit."""
     config = _shrinking_job(tmp_path, data_url, "regrown")
-    job = _run(config, grow_back=True)
+    with caplog.at_level(logging.WARNING, logger="ett.orchestrator"):
+        job = _run(config, tmp_path / "devices", grow_back=True)
     assert job.result is not None
+    said = [r.getMessage() for r in caplog.records if r.name == "ett.orchestrator"]
+    assert "rank slot 1 usable again: slot 1: ok" in said, said
     outcome = job.result.outcome
     got = [a.outcome for a in outcome.attempts]
     assert got[1:] == [Outcome.PREEMPTED, Outcome.SUCCESS], outcome.message
@@ -199,5 +228,16 @@ def test_a_slot_back_within_the_wait_relaunches_at_full_size(tmp_path: Path) -> 
     job, waits = _decider(tmp_path, 1)
     job.capacity.lose(1)
     job.sleep = lambda s: (waits.append(s), job.capacity.regain(1))
-    assert job._ranks_for_next() == 2
+    assert job._ranks_for_next() == (0, 1)
     assert len(waits) == 1 and job._outcome is None
+
+
+def test_the_health_check_before_a_relaunch_leaves_the_usable_slots(tmp_path: Path) -> None:
+    """Slot 0's device fails its check: after the wait, the next attempt runs on slot 1
+    alone (min_ranks 1: exactly the minimum is enough)."""
+    job, waits = _decider(tmp_path, 1)
+    (tmp_path / "lost-0").touch()
+    check = HealthCheck(health_probe.command(tmp_path), 10.0, None)
+    job.health = HealthMonitor(check, job.capacity, job.log)  # no thread: nothing regains
+    assert job._ranks_for_next() == (1,)
+    assert sum(waits) == pytest.approx(3.0) and job._outcome is None
