@@ -53,6 +53,12 @@ INCREMENTAL_TESTS = (
 GATE_TESTS = ("tests/publish/test_gate.py",)
 CLOCK_TESTS = ("tests/infra/test_clocks.py", "tests/reliability/test_ledger_times.py")
 FLEET_TESTS = ("tests/tasks/test_node_fleet.py",)
+HEALTH_TESTS = ("tests/tasks/test_health.py",)
+CAPACITY_DECISION_TESTS = (  # the orchestrator's decisions alone, not the jobs of that module
+    "tests/reliability/test_capacity.py::test_too_few_slots_left_fail_the_job_in_one_line_after_the_wait",
+    "tests/reliability/test_capacity.py::test_a_slot_back_within_the_wait_relaunches_at_full_size",
+    "tests/reliability/test_capacity.py::test_the_health_check_before_a_relaunch_leaves_the_usable_slots",
+)
 PARK_TESTS = (
     "tests/trainer/test_startup.py",
     "tests/reliability/test_recovery_paths.py::"
@@ -632,6 +638,39 @@ BREAKS = (
         "trainer/checkpoint/delta.py",
         (("        self.previous = None\n", "        pass\n"),),
         INCREMENTAL_TESTS,
+    ),
+    Break(
+        "B71",
+        "a health check that never answers takes its slot for usable",
+        "tasks/health.py",
+        (('Verdict(slot, False, f"no answer within', 'Verdict(slot, True, f"no answer within'),),
+        HEALTH_TESTS,
+    ),
+    Break(
+        "B72",
+        "exactly recovery.min_ranks slots left is too few: the job fails instead of shrinking",
+        "tasks/orchestrator.py",
+        (("        if ranks >= minimum:\n", "        if ranks > minimum:\n"),),
+        CAPACITY_DECISION_TESTS,
+    ),
+    Break(
+        "B73",
+        "lost slots are never probed again: a device that returns is never regained",
+        "tasks/health.py",
+        (("            self.recheck_lost()\n", "            pass\n"),),
+        HEALTH_TESTS,
+    ),
+    Break(
+        "B74",
+        "a trainer's ranks without an orchestrator number the attempt each by its own files",
+        "infra/lease.py",
+        (
+            (
+                "        yield attempt if held.attempt is None else held.attempt\n",
+                "        yield attempt\n",
+            ),
+        ),
+        ("tests/reliability/test_job_lease.py",),
     ),
 )
 
