@@ -10,9 +10,9 @@ job waits for capacity or runs smaller (and it grows back). The watch loop never
 probe. Each change is one log line with the check's own first line of output.
 
 ``auto`` (the default) is ``BUILTIN_CUDA`` on a CUDA host (a GPU device node, ``nvidia-smi``
-on the PATH, ``train.backend`` not gloo): an NVML query of the slot's device, which answers
-in well under a second, creates no CUDA context and exits non-zero for a device the driver
-lost (fallen off the bus, for one). It is not a diagnostic: a device that answers NVML but
+on the PATH, ``train.backend`` not gloo): one NVML query of the slot's device, which creates
+no CUDA context and exits non-zero when the driver cannot reach the device (fallen off the
+bus, for one). It is not a diagnostic: a device that answers NVML but
 faults in kernels passes (a DCGM diag catches more, and takes longer). If it fails on every
 slot at the job's start, the check itself is broken on this host: it is switched off, with
 one warning, rather than let a broken probe fail a healthy job.
