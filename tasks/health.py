@@ -104,9 +104,12 @@ def resolve(config: JobConfig) -> str | None:
 class HealthCheck:
     """``command`` run for a set of slots, side by side, each within ``timeout_s``."""
 
-    def __init__(self, command: str, timeout_s: float, inherited: str | None) -> None:
-        health_argv(command, 0, "0")  # a bad command fails here, not at the first failure
+    def __init__(
+        self, command: str, timeout_s: float, inherited: str | None, slots: int = 1
+    ) -> None:
         self.command, self.timeout_s, self.inherited = command, timeout_s, inherited
+        for slot in range(slots):  # a bad command, a slot with no device: here, not mid-job
+            self.argv(slot)
 
     def argv(self, slot: int) -> list[str]:
         return health_argv(self.command, slot, device_of(slot, self.inherited))
@@ -115,9 +118,10 @@ class HealthCheck:
         """Every slot's verdict; at most ``timeout_s`` (and a kill) however the probes end."""
         started: dict[int, subprocess.Popen[str] | str] = {}
         for slot in slots:
+            argv = self.argv(slot)
             try:
                 started[slot] = subprocess.Popen(
-                    self.argv(slot),
+                    argv,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
@@ -126,15 +130,18 @@ class HealthCheck:
                     start_new_session=True,  # its children are killed with it at the timeout
                 )
             except OSError as exc:  # not found, not executable: nothing says the slot works
-                started[slot] = f"cannot run {self.argv(slot)[0]}: {exc.strerror or exc}"
+                started[slot] = f"cannot run {argv[0]}: {exc.strerror or exc}"
         deadline = time.monotonic() + self.timeout_s
         return [self._verdict(slot, proc, deadline) for slot, proc in started.items()]
 
     def _verdict(self, slot: int, proc: subprocess.Popen[str] | str, deadline: float) -> Verdict:
         if isinstance(proc, str):
             return Verdict(slot, False, proc)
+        left = deadline - time.monotonic()
+        if proc.poll() is not None:  # done while another slot's probe was waited for
+            left = max(left, KILL_WAIT_S)  # its output is all that is left to read
         try:
-            out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 0.0))
+            out, _ = proc.communicate(timeout=max(left, 0.0))
         except subprocess.TimeoutExpired:
             _kill(proc)
             return Verdict(slot, False, f"no answer within {self.timeout_s:g} s")
@@ -236,7 +243,8 @@ def monitor(
     if command is None:
         return None
     inherited = env.get(ENV_DEVICES, os.environ.get(ENV_DEVICES))
-    check = HealthCheck(command, config.recovery.health_check_timeout_s, inherited)
+    timeout_s = config.recovery.health_check_timeout_s
+    check = HealthCheck(command, timeout_s, inherited, capacity.launched)
     builtin = config.recovery.health_check == HEALTH_AUTO
     log.info("health check of the %d rank slots: %s", capacity.launched, command)
     return HealthMonitor(check, capacity, log, builtin=builtin).start()

@@ -73,7 +73,7 @@ def test_a_slot_that_fails_or_never_answers_is_lost_and_its_probe_killed(tmp_pat
     (tmp_path / "lost-1").touch()
     (tmp_path / "hang-2").touch()
     check = HealthCheck(health_probe.command(tmp_path), 5.0, None)
-    ok, lost, hung = check.run([0, 1, 2])
+    hung, ok, lost = check.run([2, 0, 1])  # the others' answers are read after the wait
     assert ok == Verdict(0, True, "slot 0: ok")
     assert lost == Verdict(1, False, "exit 3: slot 1: device gone (lost-1 present)")
     assert hung == Verdict(2, False, "no answer within 5 s")
@@ -84,9 +84,12 @@ def test_a_slot_that_fails_or_never_answers_is_lost_and_its_probe_killed(tmp_pat
 
 
 def test_device_is_the_slots_entry_of_the_users_list(tmp_path: Path) -> None:
-    """``{device}`` is what a GPU tool needs (nvidia-smi -i), ``{slot}`` the local rank."""
-    check = HealthCheck("echo {slot} {device}", 5.0, "GPU-aa,GPU-bb")
+    """``{device}`` is what a GPU tool needs (nvidia-smi -i), ``{slot}`` the local rank; a
+    list naming fewer devices than the job has slots is refused before anything is probed."""
+    check = HealthCheck("echo {slot} {device}", 5.0, "GPU-aa,GPU-bb", slots=2)
     assert [v.said for v in check.run([0, 1])] == ["0 GPU-aa", "1 GPU-bb"]
+    with pytest.raises(ValueError, match="rank slot 2 has no device"):
+        HealthCheck("echo {device}", 5.0, "GPU-aa,GPU-bb", slots=3)
 
 
 # -- the monitor ----------------------------------------------------------------------------------
