@@ -12,10 +12,10 @@ probe. Each change is one log line with the check's own first line of output.
 ``auto`` (the default) is ``BUILTIN_CUDA`` on a CUDA host (a GPU device node, ``nvidia-smi``
 on the PATH, ``train.backend`` not gloo): one NVML query of the slot's device, which creates
 no CUDA context and exits non-zero when the driver cannot reach the device (fallen off the
-bus, for one). It is not a diagnostic: a device that answers NVML but
-faults in kernels passes (a DCGM diag catches more, and takes longer). If it fails on every
-slot at the job's start, the check itself is broken on this host: it is switched off, with
-one warning, rather than let a broken probe fail a healthy job.
+bus, for one). It is not a diagnostic: a device that answers NVML but faults in kernels
+passes (a DCGM diag catches more, and takes longer). If it fails on every slot at the job's
+start, the check itself is broken on this host: it is switched off, with one warning, rather
+than let a broken probe fail a healthy job.
 """
 
 from __future__ import annotations
@@ -77,8 +77,13 @@ def attempt_env(
     one's hidden); at full size, or off CUDA, ``env`` as it is."""
     if not cuda or list(slots) == list(range(launched)):
         return env
-    inherited = env.get(ENV_DEVICES, os.environ.get(ENV_DEVICES))
+    inherited = inherited_devices(env)
     return {**env, ENV_DEVICES: visible_devices(slots, inherited)}
+
+
+def inherited_devices(env: dict[str, str]) -> str | None:
+    """The job's own ``CUDA_VISIBLE_DEVICES``: in the ranks' variables, else this process's."""
+    return env.get(ENV_DEVICES, os.environ.get(ENV_DEVICES))
 
 
 def _devices(inherited: str | None) -> list[str] | None:
@@ -242,7 +247,7 @@ def monitor(
     command = resolve(config)
     if command is None:
         return None
-    inherited = env.get(ENV_DEVICES, os.environ.get(ENV_DEVICES))
+    inherited = inherited_devices(env)
     timeout_s = config.recovery.health_check_timeout_s
     check = HealthCheck(command, timeout_s, inherited, capacity.launched)
     builtin = config.recovery.health_check == HEALTH_AUTO
