@@ -551,7 +551,7 @@ BREAKS = (
         "trainer/checkpoint/memory_tier.py",
         (
             (
-                "        if _digest(meta, payload) != header.digest:\n",
+                "        if _digest(body) != header.digest:\n",
                 "        if False:\n",
             ),
         ),
@@ -570,9 +570,9 @@ BREAKS = (
         "trainer/checkpoint/memory_tier.py",
         (
             (
-                "        slot = Slot.B if newest is not None and newest.slot == Slot.A "
+                "            slot = Slot.B if newest is not None and newest.slot == Slot.A "
                 "else Slot.A\n",
-                "        slot = Slot.A\n",
+                "            slot = Slot.A\n",
             ),
         ),
         MEMORY_TIER_TESTS,

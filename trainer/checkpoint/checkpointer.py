@@ -18,10 +18,11 @@ At most one checkpoint is in flight: a new save first waits for the previous one
 save reads the registered state inside its blocking span, so building the state dicts is
 accounted as checkpoint time.
 
-The in-memory tier (memory_tier.py) rides on the same staging: an in-memory copy is a
-staging copy written to this host's shared memory instead of to storage (``copy``, its own
-``memory_copy_blocking`` span), and a durable save in ``async_staged`` mode writes one too,
-from its staging copy, before its upload. Restore prefers it when it is newer (resume.py).
+The in-memory tier (memory_tier.py): an in-memory copy (``copy``, its own
+``memory_copy_blocking`` span) is the state's bytes copied into this host's shared memory
+(on a GPU: a staging copy, written there instead of to storage), and a durable save in
+``async_staged`` mode writes one too, from its staging copy, before its upload. Restore
+prefers it when it is newer (resume.py).
 
 How a written checkpoint becomes committed is commit.py's; the save on SIGTERM, held to
 ``checkpoint.preemption_budget_s``, is emergency.py's.
@@ -50,10 +51,10 @@ from trainer.checkpoint import emergency
 from trainer.checkpoint.commit import AlreadyCommitted, CheckpointPhase, Committer
 from trainer.checkpoint.delta import Incremental
 from trainer.checkpoint.interval import FailureHistory
-from trainer.checkpoint.memory_tier import MemoryTier, memory_tier_of
+from trainer.checkpoint.memory_tier import MemoryTier, PendingCopy, Written, memory_tier_of
 from trainer.checkpoint.resume import Resume, restore_states
 from trainer.checkpoint.schedule import SaveSchedule
-from trainer.checkpoint.staging import ShardedStateStager, Staging
+from trainer.checkpoint.staging import ShardedStateStager, Staging, local_tensors
 from trainer.checkpoint.state import CheckpointStates, Stateful
 from trainer.consensus import Agreed
 
@@ -268,7 +269,8 @@ class Checkpointer:
 
                 def write_staged() -> None:
                     if rows is None:  # a delta's staged state lacks the tables
-                        self._write_copy(step, staging, extra)  # the in-memory tier first
+                        # the in-memory tier first
+                        self._write_copy(step, staging, {"step": step, **extra})
                     commits.refuse_if_committed(step)
                     writer = commits.prepare(step, extra, rows)
                     dcp.save(staging.state_dict(), storage_writer=writer, process_group=self.pg)
@@ -300,43 +302,74 @@ class Checkpointer:
             self._inflight = InFlight(step, anchor, None, thread, error)
 
     def copy(self, step: int) -> bool:
-        """An in-memory copy of the registered state at ``step``: staged as a checkpoint
-        is, then written to shared memory on its own thread. Skipped (False) while a
-        checkpoint is still in flight: its staging buffers are in use, and the next step
-        boundary asks again."""
+        """An in-memory copy of the registered state at ``step``. Skipped (False) while a
+        checkpoint or the previous copy is still in flight: the next step boundary asks
+        again.
+
+        With the state in host memory the loop copies its bytes straight into the slot
+        (one memory copy, no staging buffer, no serialization) and a thread of its own
+        digests them and writes the header. With the state on a GPU the copy is staged as a
+        checkpoint is (off the loop, on the side stream) and the thread writes the slot."""
         states = self.registered(f"in-memory copy at step {step}")
-        if self.memory is None:
+        memory = self.memory
+        if memory is None:
             return False
         inflight = self._inflight
         if inflight is not None:
             if inflight.staging is not None or inflight.thread.is_alive():
                 return False
             self.wait_for_inflight()
+        if memory.busy:
+            return False
         with self.ledger.span(Span.MEMORY_COPY_BLOCKING, step=step):
             state, extra = states.read()
-            staging = self._get_stager().begin(state)
+            extra = {"step": step, **extra}
+            if torch.cuda.is_available():
+                staging: Staging | None = self._get_stager().begin(state)
+                target, args = self._write_copy, (step, staging, extra)
+            else:
+                staging = None
+                pending = memory.begin(
+                    step,
+                    local_tensors(state),
+                    extra,
+                    midway=lambda: self.on_phase(CheckpointPhase.MEMORY_MIDWAY, step),
+                )
+                if pending is None:
+                    return False
+                target, args = self._finish_copy, (step, pending)
             thread = threading.Thread(
-                target=self._write_copy,
-                args=(step, staging, extra),
-                name=f"ckpt-memory-{step}",
-                daemon=True,
+                target=target, args=args, name=f"ckpt-memory-{step}", daemon=True
             )
             self._inflight = InFlight(step, False, staging, thread, [], CheckpointTier.MEMORY)
+            if staging is None:
+                thread.start()  # a staged copy's thread starts once the copy is done
         return True
 
     def _write_copy(self, step: int, staging: Staging, extra: dict[str, Any]) -> None:
-        """Write the staged state to the in-memory tier; a failure is logged and marked,
-        never raised (the durable tier and training go on)."""
+        """Write the staged state to the in-memory tier (``extra`` holds the step)."""
         if self.memory is None:
             return
-        try:
-            written = self.memory.write(
+        self._record_copy(
+            step,
+            lambda: self.memory.write(  # type: ignore[union-attr]
                 step,
                 staging.staged(),
-                {"step": step, **extra},
+                extra,
                 midway=lambda: self.on_phase(CheckpointPhase.MEMORY_MIDWAY, step),
-            )
-        except Exception as exc:  # noqa: BLE001 - a lost copy costs only redone steps
+            ),
+        )
+
+    def _finish_copy(self, step: int, pending: PendingCopy) -> None:
+        """Digest the copy the loop wrote and make it valid."""
+        self._record_copy(step, pending.finish)
+
+    def _record_copy(self, step: int, write: Callable[[], Written]) -> None:
+        """Its ``memory_copy`` mark; a failure is logged and marked, never raised (a lost
+        copy costs only redone steps: the durable tier and training go on)."""
+        try:
+            written = write()
+        except Exception as exc:  # noqa: BLE001
             log.warning("in-memory copy at step %d failed: %s", step, exc)
             self.ledger.mark(Mark.MEMORY_COPY, step=step, error=f"{type(exc).__name__}: {exc}")
             return

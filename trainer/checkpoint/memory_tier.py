@@ -2,10 +2,12 @@
 
 A copy in ``/dev/shm`` costs a memory copy, not an upload, so it can be taken every few
 steps; it outlives the process that wrote it, so a crash restored in process, a promoted
-standby or a relaunch on the same host loses only the steps since the last copy. It is
-written from the staging copy the checkpointer makes anyway (no second device-to-host copy):
-the staged local tensors (a sharded table's local shards as plain tensors: a rank restores
-only its own shards) and this rank's JSON state.
+standby or a relaunch on the same host loses only the steps since the last copy. It holds
+this rank's local tensors (a sharded table's local shards as plain tensors: a rank restores
+only its own shards) as raw bytes laid out by a JSON tree, and this rank's JSON state: a
+copy is one memory copy of the state (``begin``, on the training thread, from host tensors
+or the checkpointer's staging copy of GPU ones) and a digest (``finish``, off it); nothing
+is pickled, and nothing but bytes is read back.
 
 **Double-buffered.** Two slots per rank (infra/memory_tier.py names them). A write goes to
 the slot that does not hold the newest copy: its header is invalidated first, then the
@@ -28,11 +30,13 @@ see docs/checkpoints.md.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
-import io
 import json
 import logging
+import mmap
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -103,14 +107,100 @@ def fill(target: Any, saved: Any) -> None:
     if isinstance(target, dict):
         missing = set(target) - set(saved)
         if missing:
-            raise TornCopy(f"the copy has no {sorted(missing)[:3]}")
+            raise TornCopy(f"the copy has no {sorted(missing, key=str)[:3]}")
         for key, value in target.items():
             fill(value, saved[key])
 
 
+# -- the copy's layout: a JSON tree in the meta, the tensors' raw bytes after it -------------
+def _encode(tree: Any, tensors: list[torch.Tensor]) -> Any:
+    """The tree as JSON, each tensor replaced by its index in ``tensors`` (appended). Dict
+    keys keep their type (an optimizer's state is keyed by int)."""
+    if isinstance(tree, torch.Tensor):
+        tensors.append(tree)
+        return {"t": len(tensors) - 1}
+    if isinstance(tree, dict):
+        return {"d": [[key, _encode(value, tensors)] for key, value in tree.items()]}
+    if isinstance(tree, list | tuple):
+        return {"l": [_encode(value, tensors) for value in tree]}
+    if tree is None or isinstance(tree, bool | int | float | str):
+        return {"v": tree}
+    raise TypeError(f"an in-memory copy holds tensors and plain values, not {type(tree)}")
+
+
+def _decode(node: dict[str, Any], tensors: list[torch.Tensor]) -> Any:
+    if "t" in node:
+        return tensors[node["t"]]
+    if "d" in node:
+        return {key: _decode(value, tensors) for key, value in node["d"]}
+    if "l" in node:
+        return [_decode(value, tensors) for value in node["l"]]
+    return node["v"]
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 CPU tensor (a view where it already is one)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return flat.contiguous().view(torch.uint8)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise TornCopy(f"unknown dtype {name!r} in the copy's layout")
+    return dtype
+
+
+_ALIGN = 64  # each tensor's bytes start on a cache line
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset``: in chunks, since one write call may write less."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done : done + _CHUNK], offset + done)
+
+
+class PendingCopy:
+    """A copy whose bytes are in its slot, not yet valid (no header): ``finish`` digests
+    them and writes the header that makes the slot the newest copy. Holds the tier's write
+    lock until then, so no other write picks the same slot."""
+
+    def __init__(self, tier: MemoryTier, fd: int, path: str, header: Header, began: float):
+        self._tier, self._fd, self.path = tier, fd, path
+        self._header, self._began = header, began
+
+    def finish(self) -> Written:
+        """Digest the slot's bytes (zero-copy, off the training thread), then the header."""
+        try:
+            header = self._header
+            with (
+                mmap.mmap(self._fd, header.total_bytes, prot=mmap.PROT_READ) as mapped,
+                memoryview(mapped) as view,
+                view[HEADER_BYTES:] as body,
+            ):
+                digest = _digest(body)
+            header = dataclasses.replace(header, digest=digest, written_at=time.time())
+            os.pwrite(self._fd, header.pack(), 0)  # the flip: now the newest copy
+            seconds = time.perf_counter() - self._began
+            return Written(header.step, header.seq, header.total_bytes, seconds, self.path)
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Give the slot up unfinished (it stays headerless: never loaded)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            self._tier._writing.release()
+
+
 class MemoryTier:
-    """This rank's two slots for one job. ``write`` from the checkpointer's commit thread,
-    ``copies`` and ``load`` from restore; ``remove`` once the job no longer needs them."""
+    """This rank's two slots for one job. ``begin`` (the copy, on the training thread) then
+    ``finish`` (on the writer's thread), or ``write`` for both at once; ``copies`` and
+    ``load`` from restore; ``remove`` once the job no longer needs them."""
 
     def __init__(
         self,
@@ -124,57 +214,97 @@ class MemoryTier:
         self.rank, self.world_size, self.shm_dir = rank, world_size, shm_dir
         self.key = segments.job_key(layout)
         self.paths = {s: segments.slot_path(layout, rank, s, shm_dir) for s in Slot}
+        self._writing = threading.Lock()  # held from a copy's begin until its finish
 
     # -- writing --------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """A copy begun and not yet finished: the next one must wait or be skipped."""
+        return self._writing.locked()
+
+    def begin(
+        self,
+        step: int,
+        state: Any,
+        extra: dict[str, Any],
+        midway: Callable[[], None] = lambda: None,
+        wait: bool = False,
+    ) -> PendingCopy | None:
+        """Copy ``state`` (nested dicts of tensors, a ShardedTensor as its local shards
+        under ``__sharded_local__``) and ``extra`` (this rank's JSON state) of ``step`` into
+        the slot that does not hold the newest copy. The bytes are written now, from the
+        live tensors (the caller keeps them unchanged until this returns); the copy becomes
+        valid at ``finish``. None, unless ``wait``, while another copy is unfinished.
+        ``midway`` is called with half of the bytes written (a fault's hook)."""
+        if not self._writing.acquire(blocking=wait):
+            return None
+        fd = -1
+        try:
+            began = time.perf_counter()
+            tensors: list[torch.Tensor] = []
+            tree = _encode(state, tensors)
+            raws = [_raw(t) for t in tensors]
+            layout, offset = [], 0
+            for tensor, raw in zip(tensors, raws, strict=True):
+                layout.append([str(tensor.dtype), list(tensor.shape), offset, raw.numel()])
+                offset += -(-raw.numel() // _ALIGN) * _ALIGN
+            meta = json.dumps(
+                {"job_url": self.layout.url, "extra": extra, "tree": tree, "tensors": layout}
+            ).encode()
+            meta_bytes = -(-len(meta) // _ALIGN) * _ALIGN
+            # Read from the slots each time: another process of the job (the attempt before a
+            # promotion) may have written them since this one last looked.
+            valid = self.copies(quiet=True)
+            newest = valid[0] if valid else None
+            slot = Slot.B if newest is not None and newest.slot == Slot.A else Slot.A
+            path = self.paths[slot]
+            header = Header(
+                seq=(newest.header.seq if newest else 0) + 1,
+                step=step,
+                rank=self.rank,
+                world_size=self.world_size,
+                meta_bytes=meta_bytes,
+                payload_bytes=offset,
+                digest=bytes(32),
+                config_hash=self.config_hash,
+                job_key=self.key,
+                written_at=0.0,
+            )
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            os.pwrite(fd, bytes(16), 0)  # invalid from here until the new header is written
+            os.ftruncate(fd, header.total_bytes)
+            os.pwrite(fd, meta.ljust(meta_bytes, b" "), HEADER_BYTES)
+            base, half, told = HEADER_BYTES + meta_bytes, offset // 2, False
+            for raw, (_, _, at, size) in zip(raws, layout, strict=True):
+                data = memoryview(raw.numpy())
+                if not told and at + size >= half:  # this tensor reaches half of the bytes
+                    cut = max(half - at, 0)
+                    _pwrite_all(fd, data[:cut], base + at)
+                    midway()
+                    told = True
+                    _pwrite_all(fd, data[cut:], base + at + cut)
+                else:
+                    _pwrite_all(fd, data, base + at)
+            if not told:
+                midway()
+            return PendingCopy(self, fd, path, header, began)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            self._writing.release()
+            raise
+
     def write(
         self,
         step: int,
-        staged: Any,
+        state: Any,
         extra: dict[str, Any],
         midway: Callable[[], None] = lambda: None,
     ) -> Written:
-        """Write the copy of ``step`` (``staged``: the staged tensors, ``extra``: this
-        rank's JSON state) into the slot that does not hold the newest copy. ``midway`` is
-        called with half of the tensors written (a fault's hook: trainer/faults.py)."""
-        began = time.perf_counter()
-        meta = json.dumps({"job_url": self.layout.url, "extra": extra}).encode()
-        buffer = io.BytesIO()
-        torch.save(staged, buffer)
-        payload = buffer.getbuffer()
-        # Read from the slots each time: another process of the job (the attempt before a
-        # promotion) may have written them since this one last looked.
-        valid = self.copies(quiet=True)
-        newest = valid[0] if valid else None
-        slot = Slot.B if newest is not None and newest.slot == Slot.A else Slot.A
-        path = self.paths[slot]
-        header = Header(
-            seq=(newest.header.seq if newest else 0) + 1,
-            step=step,
-            rank=self.rank,
-            world_size=self.world_size,
-            meta_bytes=len(meta),
-            payload_bytes=len(payload),
-            digest=_digest(meta, payload),
-            config_hash=self.config_hash,
-            job_key=self.key,
-            written_at=time.time(),
-        )
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            os.pwrite(fd, bytes(16), 0)  # invalid from here until the new header is written
-            os.ftruncate(fd, header.total_bytes)
-            os.pwrite(fd, meta, HEADER_BYTES)
-            offset, half = HEADER_BYTES + len(meta), len(payload) // 2
-            for begin, end in ((0, half), (half, len(payload))):
-                if begin == half:
-                    midway()
-                for start in range(begin, end, _CHUNK):
-                    chunk = payload[start : min(start + _CHUNK, end)]
-                    offset += os.pwrite(fd, chunk, offset)
-            os.pwrite(fd, header.pack(), 0)  # the flip: this slot now holds the newest copy
-        finally:
-            os.close(fd)
-        return Written(step, header.seq, header.total_bytes, time.perf_counter() - began, path)
+        """``begin`` (waiting for an unfinished copy) and ``finish`` in one call."""
+        pending = self.begin(step, state, extra, midway, wait=True)
+        assert pending is not None  # waited for the lock
+        return pending.finish()
 
     # -- reading --------------------------------------------------------------------------
     def _check(self, header: Header) -> str | None:
@@ -210,18 +340,31 @@ class MemoryTier:
 
     def load(self, copy: MemoryCopy) -> tuple[Any, dict[str, Any]]:
         """The copy's tensors and this rank's JSON state; TornCopy when its bytes do not
-        match its digest (a writer killed mid-copy) or the slot changed meanwhile."""
+        match its digest (a writer killed mid-copy) or the slot changed meanwhile. No
+        unpickling: the tensors are raw bytes laid out by the meta JSON."""
         header = copy.header
-        with open(copy.path, "rb") as fh:
-            data = fh.read()
-        if len(data) != header.total_bytes or Header.unpack(data[:HEADER_BYTES]) != header:
+        data = bytearray(header.total_bytes)
+        with open(copy.path, "rb", buffering=0) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            read = fh.readinto(data)
+        if size != header.total_bytes or read != header.total_bytes:
+            raise TornCopy(f"{copy.path} changed since its header was read")
+        if Header.unpack(bytes(data[:HEADER_BYTES])) != header:
             raise TornCopy(f"{copy.path} changed since its header was read")
         body = memoryview(data)[HEADER_BYTES:]
-        meta, payload = body[: header.meta_bytes], body[header.meta_bytes :]
-        if _digest(meta, payload) != header.digest:
+        if _digest(body) != header.digest:
             raise TornCopy(f"{copy.path} does not match its digest (torn)")
-        tensors = torch.load(io.BytesIO(payload), weights_only=True)
-        return tensors, json.loads(bytes(meta))["extra"]
+        meta = json.loads(bytes(body[: header.meta_bytes]))
+        base = HEADER_BYTES + header.meta_bytes
+        tensors = []
+        for dtype_name, shape, at, size in meta["tensors"]:
+            dtype = _dtype(dtype_name)
+            if not size:
+                tensors.append(torch.empty(shape, dtype=dtype))
+                continue
+            raw = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=base + at)
+            tensors.append(raw.view(dtype).view(shape))
+        return _decode(meta["tree"], tensors), meta["extra"]
 
     def peek(self) -> tuple[int, dict[str, Any]] | None:
         """The newest copy's step and JSON state, its digest unchecked (a guess)."""

@@ -49,6 +49,12 @@ def _split(tree: Any, sharded: dict[int, ShardedTensor]) -> Any:
     return tree
 
 
+def local_tensors(tree: Any) -> Any:
+    """The nested dict with each ShardedTensor as the list of its local shard tensors (under
+    ``__sharded_local__``): what a rank holds of it, without copying anything."""
+    return _split(tree, {})
+
+
 def _join(staged: Any, original: Any, sharded: dict[int, ShardedTensor]) -> Any:
     """Rebuild ShardedTensors around the staged local shards, walking both trees together."""
     if isinstance(original, dict) and "__sharded_local__" in original:

@@ -175,6 +175,45 @@ def test_a_copy_killed_half_written_is_torn_and_the_other_slot_is_loaded(layout)
         tier.load(copy)
 
 
+def test_a_copy_round_trips_every_dtype_shape_and_key_exactly(layout) -> None:
+    """The raw layout: int and str keys, lists, plain values, 0-d, empty, bf16 and bool
+    tensors, a non-contiguous view and a sharded table's local shards come back bit for bit
+    (and the copy only becomes valid at ``finish``)."""
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    state = {
+        "model": {"w": torch.randn(3, 5), "t": base.t(), "bf": torch.randn(7).bfloat16()},
+        "optim": {"state": {0: {"step": torch.tensor(12.0), "m": torch.zeros(0, 4)}}},
+        "rng": {"cpu": torch.get_rng_state(), "mask": torch.tensor([True, False, True])},
+        "table": {"__sharded_local__": [torch.randn(2, 3), torch.randn(1, 3)]},
+        "plain": [1, 2.5, "x", None, True],
+    }
+    tier = _tier(layout)
+    pending = tier.begin(7, state, {"step": 7})
+    assert pending is not None and tier.busy and tier.copies(quiet=True) == []
+    assert tier.begin(8, state, {"step": 8}) is None  # one unfinished copy at a time
+    pending.finish()
+    assert not tier.busy
+    [copy] = tier.copies()
+    loaded, extra = tier.load(copy)
+    assert extra == {"step": 7}
+
+    def same(a: Any, b: Any) -> None:
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        elif isinstance(a, dict):
+            assert list(a) == list(b)  # keys and their types, in order
+            for key in a:
+                same(a[key], b[key])
+        elif isinstance(a, list):
+            assert len(a) == len(b)
+            for x, y in zip(a, b, strict=True):
+                same(x, y)
+        else:
+            assert a == b and type(a) is type(b)
+
+    same(state, loaded)
+
+
 def test_a_copy_of_another_job_model_or_rank_is_ignored(layout, tmp_path, caplog) -> None:
     mine = _tier(layout)
     same_id = JobLayout.for_job(f"file://{tmp_path}/other", "memtier")  # another storage root
