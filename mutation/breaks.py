@@ -53,6 +53,7 @@ INCREMENTAL_TESTS = (
 GATE_TESTS = ("tests/publish/test_gate.py",)
 CLOCK_TESTS = ("tests/infra/test_clocks.py", "tests/reliability/test_ledger_times.py")
 FLEET_TESTS = ("tests/tasks/test_node_fleet.py",)
+NODE_CAPACITY_TESTS = ("tests/reliability/test_node_capacity.py",)
 PARK_TESTS = (
     "tests/trainer/test_startup.py",
     "tests/reliability/test_recovery_paths.py::"
@@ -632,6 +633,52 @@ BREAKS = (
         "trainer/checkpoint/delta.py",
         (("        self.previous = None\n", "        pass\n"),),
         INCREMENTAL_TESTS,
+    ),
+    Break(
+        "B75",
+        "a job left with exactly min_nodes nodes (or min_ranks ranks) fails instead of going on",
+        "tasks/orchestrator.py",
+        (("        if left >= minimum:\n", "        if left > minimum:\n"),),
+        NODE_CAPACITY_TESTS,
+    ),
+    Break(
+        "B76",
+        "the grow-back kills the smaller attempt instead of preempting it (no commit to grow from)",
+        "tasks/remote_node.py",
+        (
+            (
+                "        self.fleet.order(self.run, Order(0, OrderKind.END, preempt=True, "
+                "grace_s=grace_s))\n",
+                "        self.fleet.order(self.run, Order(0, OrderKind.END, preempt=False, "
+                "grace_s=grace_s))\n",
+            ),
+        ),
+        NODE_CAPACITY_TESTS,
+    ),
+    Break(
+        "B77",
+        "a relaunch counts parked spares as nodes: more nodes than the job was launched with",
+        "tasks/orchestrator.py",
+        (
+            (
+                "            lambda: min(fleet.parked(), launched), launched, minimum, "
+                '"nodes", "min_nodes"\n',
+                '            lambda: fleet.parked(), launched, minimum, "nodes", "min_nodes"\n',
+            ),
+        ),
+        NODE_CAPACITY_TESTS,
+    ),
+    Break(
+        "B78",
+        "a node run launches the config's node count, not its order's (a shrunk launch waits)",
+        "tasks/node_runner.py",
+        (
+            (
+                "        return dataclasses.replace(self.spec, nnodes=launch.nnodes)\n",
+                "        return self.spec\n",
+            ),
+        ),
+        NODE_CAPACITY_TESTS,
     ),
 )
 
