@@ -122,7 +122,8 @@ def test_a_lost_node_with_no_spare_goes_on_with_one_node_and_grows_back(
     assert job.result is not None
     outcome = job.result.outcome
     got = [a.outcome for a in outcome.attempts]
-    assert got == [Outcome.SIGKILL, Outcome.PREEMPTED, Outcome.SUCCESS], outcome.message
+    # Attempt 0 ends lost (SIGKILL) or, if the survivor's rank saw its peer go first, crashed.
+    assert got[0].failed and got[1:] == [Outcome.PREEMPTED, Outcome.SUCCESS], outcome.message
     assert outcome.succeeded, outcome.message
     assert sum(waits) == pytest.approx(WAIT_S)  # it waited for the host, then went on
     lost_key = next(k for k, h in runs.placed.items() if h == lost[0])
