@@ -59,6 +59,7 @@ CAPACITY_DECISION_TESTS = (  # the orchestrator's decisions alone, not the jobs 
     "tests/reliability/test_capacity.py::test_a_slot_back_within_the_wait_relaunches_at_full_size",
     "tests/reliability/test_capacity.py::test_the_health_check_before_a_relaunch_leaves_the_usable_slots",
 )
+NODE_CAPACITY_TESTS = ("tests/reliability/test_node_capacity.py",)
 PARK_TESTS = (
     "tests/trainer/test_startup.py",
     "tests/reliability/test_recovery_paths.py::"
@@ -648,9 +649,14 @@ BREAKS = (
     ),
     Break(
         "B72",
-        "exactly recovery.min_ranks slots left is too few: the job fails instead of shrinking",
+        "recovery.min_ranks ignored: a lost slot fails the job instead of shrinking it",
         "tasks/orchestrator.py",
-        (("        if ranks >= minimum:\n", "        if ranks > minimum:\n"),),
+        (
+            (
+                "        minimum = self.config.recovery.min_ranks or launched\n",
+                "        minimum = launched\n",
+            ),
+        ),
         CAPACITY_DECISION_TESTS,
     ),
     Break(
@@ -671,6 +677,52 @@ BREAKS = (
             ),
         ),
         ("tests/reliability/test_job_lease.py",),
+    ),
+    Break(
+        "B75",
+        "a job left with exactly min_nodes nodes (or min_ranks ranks) fails instead of going on",
+        "tasks/orchestrator.py",
+        (("        if left >= minimum:\n", "        if left > minimum:\n"),),
+        NODE_CAPACITY_TESTS,
+    ),
+    Break(
+        "B76",
+        "the grow-back kills the smaller attempt instead of preempting it (no commit to grow from)",
+        "tasks/remote_node.py",
+        (
+            (
+                "        self.fleet.order(self.run, Order(0, OrderKind.END, preempt=True, "
+                "grace_s=grace_s))\n",
+                "        self.fleet.order(self.run, Order(0, OrderKind.END, preempt=False, "
+                "grace_s=grace_s))\n",
+            ),
+        ),
+        NODE_CAPACITY_TESTS,
+    ),
+    Break(
+        "B77",
+        "a relaunch counts parked spares as nodes: more nodes than the job was launched with",
+        "tasks/orchestrator.py",
+        (
+            (
+                "            lambda: min(fleet.parked(), launched), launched, minimum, "
+                '"nodes", "min_nodes"\n',
+                '            lambda: fleet.parked(), launched, minimum, "nodes", "min_nodes"\n',
+            ),
+        ),
+        NODE_CAPACITY_TESTS,
+    ),
+    Break(
+        "B78",
+        "a node run launches the config's node count, not its order's (a shrunk launch waits)",
+        "tasks/node_runner.py",
+        (
+            (
+                "        return dataclasses.replace(self.spec, nnodes=launch.nnodes)\n",
+                "        return self.spec\n",
+            ),
+        ),
+        NODE_CAPACITY_TESTS,
     ),
 )
 

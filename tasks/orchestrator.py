@@ -76,7 +76,7 @@ from tasks.attempt import (
 from tasks.capacity import Capacity
 from tasks.local_node import Log
 from tasks.node_runs import WorkPoolNodeRuns
-from tasks.remote_node import NodeFleet, NodeRuns
+from tasks.remote_node import NodeFleet, NodeRuns, RemoteNode
 from tasks.rendezvous import RendezvousHost
 from tasks.retry_policy import JobOutcome, RetryPolicy
 from tasks.side_evaluator import SideEvaluator
@@ -333,6 +333,7 @@ class Orchestrator:
     def _progress(self, progress: Progress) -> None:
         self._check_standby()
         self._grow_back(progress)
+        self._grow_back_nodes(progress)
         if progress.phase == Phase.TRAINING:
             if self._wants_standby and self._standby is None:
                 self._standby = self._spawn(standby=True)
@@ -355,6 +356,8 @@ class Orchestrator:
         if delay > 0:
             self.log.warning("%s; relaunching in %.1f s", report.describe(), delay)
             self.sleep(delay)
+        if self._fleet is not None:  # a job on a work pool: its node runs, not this host's slots
+            return self._next_on_nodes(report)
         slots = self._ranks_for_next()
         if slots is None:
             return None
@@ -427,31 +430,114 @@ class Orchestrator:
         every slot first; its thread probes the lost ones again while this waits."""
         if self.health is not None:
             self.health.check_all()
-        launched, recovery = self.capacity.launched, self.config.recovery
-        if self.capacity.ranks < launched:
+        launched = self.capacity.launched
+        minimum = self.config.recovery.min_ranks or launched
+        left = self._after_capacity_wait(
+            lambda: self.capacity.ranks, launched, minimum, "rank slots", "min_ranks"
+        )
+        return None if left is None else self.capacity.usable
+
+    def _after_capacity_wait(
+        self, usable: Callable[[], int], launched: int, minimum: int, unit: str, knob: str
+    ) -> int | None:
+        """What ``usable`` counts once it is back to ``launched`` or
+        ``recovery.wait_for_capacity_s`` has passed, if at least ``minimum``; else None, and
+        the job fails with one line naming the numbers and ``recovery.<knob>``."""
+        wait_s = self.config.recovery.wait_for_capacity_s
+        left = usable()
+        if left < launched:
             self.log.warning(
-                "%d of %d rank slots lost: waiting up to %.0f s for them to return",
-                launched - self.capacity.ranks,
+                "%d of %d %s lost: waiting up to %.0f s for them to return",
+                launched - left,
                 launched,
-                recovery.wait_for_capacity_s,
+                unit,
+                wait_s,
             )
         waited = 0.0
-        while self.capacity.ranks < launched and waited < recovery.wait_for_capacity_s:
-            step = min(CAPACITY_POLL_S, recovery.wait_for_capacity_s - waited)
+        while left < launched and waited < wait_s:
+            step = min(CAPACITY_POLL_S, wait_s - waited)
             self.sleep(step)
             waited += step
-        slots = self.capacity.usable
-        ranks, minimum = len(slots), recovery.min_ranks or launched
-        if ranks >= minimum:
-            return slots
+            left = usable()
+        if left >= minimum:
+            return left
         self._outcome = JobOutcome(
             False,
-            f"capacity lost: {ranks} of {launched} rank slots left after "
-            f"{recovery.wait_for_capacity_s:g} s, recovery.min_ranks is {minimum}",
+            f"capacity lost: {left} of {launched} {unit} left after {wait_s:g} s, "
+            f"recovery.{knob} is {minimum}",
             tuple(self._reports),
         )
         self.log.error("%s", self._outcome.message)
         return None
+
+    # -- a job on a work pool: fewer nodes, and back ---------------------------------------
+    def _next_on_nodes(self, report: AttemptReport) -> AttemptProcess | None:
+        """The next attempt of a job on a work pool, cold on parked node runs: on fewer nodes
+        than it was launched with after a lost node with no spare (``recovery.min_nodes``),
+        resharded from the newest commit; on more once they park again (None, the job's
+        outcome set: fewer than ``min_nodes`` left)."""
+        assert self._fleet is not None
+        nodes = self._nodes_for_next()
+        if nodes is None:
+            return None
+        self._growing = False
+        if nodes != self.spec.nnodes:
+            self.log.warning(
+                "%s; relaunching on %d of %d nodes, resharded from the newest commit",
+                report.describe(),
+                nodes,
+                self._fleet.nnodes,
+            )
+            self.spec = dataclasses.replace(self.spec, nnodes=nodes)
+        else:
+            self.log.warning("%s; relaunching cold (%s)", report.describe(), self.policy.describe())
+        return self._spawn(standby=False)
+
+    def _nodes_for_next(self) -> int | None:
+        """The next attempt's nodes: ``launch.nnodes`` once that many node runs are parked
+        (the survivors, a spare, a replacement) within ``recovery.wait_for_capacity_s``;
+        else as many as are parked, if at least ``min_nodes`` (else None, and the job fails
+        in one line). ``min_nodes`` null: never fewer, the launch waits for a replacement
+        up to ``startup_timeout_s`` as it always did."""
+        fleet = self._fleet
+        assert fleet is not None
+        launched, minimum = fleet.nnodes, self.config.recovery.min_nodes
+        if minimum is None:
+            return launched
+        return self._after_capacity_wait(
+            lambda: min(fleet.parked(), launched), launched, minimum, "nodes", "min_nodes"
+        )
+
+    def _grow_back_nodes(self, progress: Progress) -> None:
+        """A job on a work pool training on fewer nodes than it was launched with, once a
+        node run parks beside it (the replacement placed, the lost host back): preempt the
+        attempt (each of its node runs SIGTERMs its launch: the trainer commits a durable
+        checkpoint at its step boundary and exits), so the next attempt relaunches on more
+        nodes from that commit (``_next_on_nodes``)."""
+        fleet, attempt = self._fleet, self._current
+        if (
+            fleet is None
+            or attempt is None
+            or self._growing
+            or progress.phase != Phase.TRAINING
+            or self.config.checkpoint.mode == CheckpointMode.OFF
+            or self.spec.nnodes >= fleet.nnodes
+            or (idle := fleet.parked()) == 0
+        ):
+            return
+        self._growing = True
+        self.log.warning(
+            "%d more node run(s) parked: attempt %d (on %d of %d nodes) checkpoints and ends, "
+            "the job relaunches on %d nodes from that commit",
+            idle,
+            attempt.number,
+            self.spec.nnodes,
+            fleet.nnodes,
+            min(fleet.nnodes, self.spec.nnodes + idle),
+        )
+        for node in attempt.nodes:
+            if isinstance(node, RemoteNode):
+                node.preempt(self.timeouts.grace_s)
 
     # -- the standby -------------------------------------------------------------------------
     @property
@@ -510,8 +596,9 @@ class Orchestrator:
         if self._fleet is not None:  # parked node runs on the pool's hosts
             wait_s = self.config.recovery.startup_timeout_s
             attempt = AttemptProcess(number, False, self.spec, self.log)
+            state, nnodes = self._job_state(), self.spec.nnodes
             attempt.nodes.extend(
-                self._fleet.launch(number, self._job_state(), env, rendezvous or "", wait_s)
+                self._fleet.launch(number, state, env, rendezvous or "", wait_s, nnodes)
             )
             return attempt
         return AttemptProcess.spawn(

@@ -257,3 +257,11 @@ def per_global_batch(config: JobConfig) -> dict[int, tuple[int, float]]:
         digest = sum(a["rows_digest"] for a in shares) % 2**64
         out[step] = (digest, sum(a["loss"] for a in shares) / len(shares))
     return out
+
+
+def assert_same_rows(clean: JobConfig, config: JobConfig, steps: int) -> None:
+    """Every global batch's rows once: ``clean``'s digests, step for step, for steps 1 to
+    ``steps`` (steps redone after a failure count once, as their last attempt ran them)."""
+    want, got = per_global_batch(clean), per_global_batch(config)
+    assert sorted(got) == list(range(1, steps + 1))
+    assert {s: d for s, (d, _) in got.items()} == {s: d for s, (d, _) in want.items()}

@@ -34,7 +34,7 @@ from tasks.capacity import Capacity
 from tasks.health import HealthCheck, HealthMonitor
 from tasks.orchestrator import Orchestrator
 from tests import health_probe
-from tests.factories import per_global_batch, tiny_config
+from tests.factories import assert_same_rows, tiny_config
 from tests.infra.test_tracking import sqlite_store
 from tests.reliability.jobs import job_config, run_to_end
 
@@ -106,14 +106,6 @@ def _shrinking_job(tmp_path: Path, data_url: str, job_id: str, **sections: Any) 
     )
 
 
-def _assert_same_rows(clean: JobConfig, config: JobConfig) -> None:
-    """Every global batch's rows once: the clean run's digests, step for step (steps redone
-    after the kill count once, as their last attempt ran them)."""
-    want, got = per_global_batch(clean), per_global_batch(config)
-    assert sorted(got) == list(range(1, STEPS + 1))
-    assert {s: d for s, (d, _) in got.items()} == {s: d for s, (d, _) in want.items()}
-
-
 @pytest.mark.timeout(HELD_S + 240)
 def test_a_rank_lost_for_good_goes_on_with_one_rank_every_row_once(
     tmp_path: Path,
@@ -137,7 +129,7 @@ def test_a_rank_lost_for_good_goes_on_with_one_rank_every_row_once(
     outcome = job.result.outcome
     assert [a.outcome.failed for a in outcome.attempts] == [True, False], outcome.message
     assert outcome.succeeded, outcome.message
-    _assert_same_rows(clean, config)
+    assert_same_rows(clean, config, STEPS)
 
     # The resize: in the ledger, in the report's recovery lines and world sizes.
     report = report_for_job(config.layout)
@@ -171,7 +163,7 @@ def test_the_job_grows_back_at_its_next_commit_once_the_slot_returns(
     got = [a.outcome for a in outcome.attempts]
     assert got[1:] == [Outcome.PREEMPTED, Outcome.SUCCESS], outcome.message
     assert got[0].failed and outcome.succeeded, outcome.message
-    _assert_same_rows(clean, config)
+    assert_same_rows(clean, config, STEPS)
 
     report = report_for_job(config.layout)
     shrink, grow = report.resizes
