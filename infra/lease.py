@@ -10,7 +10,8 @@ job, passing its token to every trainer rank in ``ETT_JOB_LEASE``; the ranks onl
 that the lease is theirs (``trainer_lease``), so several trainer groups of one job (an
 attempt and the warm standby of the next) never lock each other out. A trainer started
 without that variable (plain ``torchrun -m trainer``) takes its own lease on rank 0 for the
-attempt's life; its other ranks wait until rank 0 holds it.
+attempt's life; its other ranks wait until rank 0 holds it, and take the attempt number rank 0
+wrote in it.
 
 How, on any store: the lease is a series of generation files
 ``<job>/_lease/<generation>.json``, each created exclusively (an atomic create on local
@@ -79,6 +80,9 @@ class LeaseRecord:
     ttl_s: float
     renewed_at: float
     released: bool = False
+    # A trainer without an orchestrator: rank 0's attempt number, which its other ranks take
+    # (each rank counting its own ledger files disagrees once the world size has changed).
+    attempt: int | None = None
 
     def live(self, now: float | None = None) -> bool:
         """Held: not released, renewed within its TTL, and its process not known dead."""
@@ -247,12 +251,14 @@ def acquire_job_lease(
     owner: str | None = None,
     ttl_s: float = DEFAULT_TTL_S,
     wait_s: float = 0.0,
+    attempt: int | None = None,
 ) -> JobLease:
     """Take the job's lease (usable as a context manager that releases it).
 
     ``owner``: the token to hold it under (default: a new random one); a lease already held
     under the same token is taken over (the same owner starting again). ``wait_s``: how long
-    to wait for a live holder to let go before raising JobLocked.
+    to wait for a live holder to let go before raising JobLocked. ``attempt``: the attempt
+    number a trainer's rank 0 tells its other ranks.
     """
     if ttl_s <= 0:
         raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
@@ -275,6 +281,7 @@ def acquire_job_lease(
             run_id=_run_id(),
             ttl_s=ttl_s,
             renewed_at=time.time(),
+            attempt=attempt,
         )
         if _create_exclusive(_generation_url(layout, generation), record):
             for old in _generations(layout):
@@ -298,29 +305,33 @@ def check_job_lease(layout: JobLayout, token: str) -> None:
         )
 
 
-def _wait_for_rank0(layout: JobLayout, run_id: str, wait_s: float) -> None:
+def _wait_for_rank0(layout: JobLayout, run_id: str, wait_s: float) -> LeaseRecord:
     """Other ranks of a trainer without an orchestrator: wait until rank 0 holds the lease
     (rank 0 alone decides; if it is refused it exits, and torchrun stops this rank)."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         current = current_lease(layout)
         if current is not None and current.run_id == run_id and current.live():
-            return
+            return current
         time.sleep(0.2)
     raise JobLocked(f"job {layout.url}: rank 0 took no lease within {wait_s:.0f} s")
 
 
 @contextlib.contextmanager
-def trainer_lease(layout: JobLayout, rank: int, ttl_s: float = DEFAULT_TTL_S) -> Iterator[None]:
-    """The trainer's side, around a whole attempt: with ``ETT_JOB_LEASE`` set, check that the
-    lease is the orchestrator's; without, rank 0 holds its own lease for the attempt."""
+def trainer_lease(
+    layout: JobLayout, rank: int, attempt: int = 0, ttl_s: float = DEFAULT_TTL_S
+) -> Iterator[int]:
+    """The trainer's side, around a whole attempt; yields the attempt number every rank
+    uses. With ``ETT_JOB_LEASE`` set, check that the lease is the orchestrator's (which
+    numbered the attempt: ``attempt`` as given); without, rank 0 holds its own lease for the
+    attempt with its ``attempt`` in it, and the other ranks take that number."""
     token = os.environ.get(ENV_VAR)
     if token:
         check_job_lease(layout, token)
-        yield
+        yield attempt
     elif rank == 0:
-        with acquire_job_lease(layout, ttl_s=ttl_s):
-            yield
+        with acquire_job_lease(layout, ttl_s=ttl_s, attempt=attempt):
+            yield attempt
     else:
-        _wait_for_rank0(layout, _run_id(), RANK0_WAIT_S)
-        yield
+        held = _wait_for_rank0(layout, _run_id(), RANK0_WAIT_S)
+        yield attempt if held.attempt is None else held.attempt

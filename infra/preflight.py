@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import uuid
 from urllib.parse import urlsplit
 
 from infra import data_layout, storage
 from infra.checkpoint_manifest import CheckpointError, read_manifest
 from infra.config_sources import redact_url
-from infra.settings import CheckpointMode, EvalMode, JobConfig
+from infra.settings import HEALTH_AUTO, CheckpointMode, EvalMode, JobConfig, health_argv
 
 # The tracking stores MLflow has built in (mlflow.tracking._tracking_service.utils); others
 # come from plugins (the "mlflow.tracking_store" entry points). A database URI's scheme may
@@ -56,13 +57,28 @@ def _reason(exc: BaseException, limit: int = 240) -> str:
 
 
 def preflight(config: JobConfig) -> None:
-    """Raise PreflightError for the first unusable place the config names: the storage root
-    (writable), the data (shards), the checkpoints to resume or warm-start from (committed),
-    the MLflow URI (parseable). Cheap: a write probe, a listing, a manifest read."""
+    """Raise PreflightError for the first unusable place the config names: the health
+    check's program (on this host), the storage root (writable), the data (shards), the
+    checkpoints to resume or warm-start from (committed), the MLflow URI (parseable). Cheap:
+    a PATH lookup, a write probe, a listing, a manifest read."""
+    _health_check(config)
     _storage_root(config)
     _data(config)
     _checkpoints(config)
     _mlflow_uri(config.tracking.mlflow_uri)
+
+
+def _health_check(config: JobConfig) -> None:
+    """A ``recovery.health_check`` command this host runs (one host, no work pool): its
+    program is here. Found at the first failure instead, it would mark every slot lost."""
+    command, launch = config.recovery.health_check, config.launch
+    if command in (None, HEALTH_AUTO) or launch.work_pool or launch.nnodes > 1:
+        return
+    program = health_argv(command, 0, "0")[0]
+    if shutil.which(program) is None:
+        raise PreflightError(
+            "recovery.health_check", command, f"no program {program} here (PATH, executable)"
+        )
 
 
 def _storage_root(config: JobConfig) -> None:

@@ -29,6 +29,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import time
 from contextvars import ContextVar
 from enum import StrEnum
@@ -347,6 +348,29 @@ class StandbyPark(StrEnum):
     DEVICE = "device"  # built, sharded and warmed up on the device before it parks
 
 
+HEALTH_AUTO = "auto"  # recovery.health_check: the built-in check on a CUDA host
+
+
+def health_argv(command: str, slot: int, device: str) -> list[str]:
+    """``recovery.health_check``'s command line for one rank slot: split as a shell would
+    (no shell runs it), ``{slot}`` and ``{device}`` substituted in every word. Raises
+    ValueError, one line, for a command that cannot be split or names another placeholder."""
+    try:
+        words = shlex.split(command)
+    except ValueError as exc:
+        raise ValueError(f"recovery.health_check {command!r} cannot be split: {exc}") from None
+    if not words:
+        raise ValueError("recovery.health_check is empty: give a command, 'auto' or null")
+    try:
+        return [word.format(slot=slot, device=device) for word in words]
+    except (KeyError, IndexError, ValueError) as exc:
+        what = f"{{{exc.args[0]}}}" if isinstance(exc, KeyError) else str(exc)
+        raise ValueError(
+            f"recovery.health_check {command!r}: only {{slot}} and {{device}} are substituted "
+            f"(write {{{{ and }}}} for literal braces), not {what}"
+        ) from None
+
+
 class RecoveryConfig(_Frozen):
     """How a job survives failures: the orchestrator's retries, timeouts and warm standby
     (tasks/orchestrator.py), and the trainer's in-process restart (trainer/restart.py)."""
@@ -386,6 +410,27 @@ class RecoveryConfig(_Frozen):
     # ...and a node run whose heartbeat has not changed for this long is lost (its host, its
     # pod or its process gone); node runs whose orchestrator went silent this long end.
     node_timeout_s: float = Field(default=15.0, ge=2, le=3600)
+
+    # Capacity lost (docs/recovery.md): a rank slot on this host marked unusable, or a node
+    # lost with no spare. The next attempt waits up to wait_for_capacity_s for it to return,
+    # then runs on what is left, resharded from the newest commit, if that is at least
+    # min_ranks ranks per node (min_nodes nodes); null: the launched size, never smaller.
+    min_ranks: int | None = Field(default=None, ge=1, le=1024)
+    min_nodes: int | None = Field(default=None, ge=1, le=1024)
+    wait_for_capacity_s: float = Field(default=60.0, ge=0, le=86_400)
+    # What marks a rank slot lost (tasks/health.py): a command run per slot, {slot} (local
+    # rank) and {device} (its CUDA device) substituted, no shell; exit 0 is usable, anything
+    # else or no answer within health_check_timeout_s is lost. "auto": nvidia-smi's query of
+    # the slot's device on a CUDA host, none elsewhere; null: none (no slot is ever lost).
+    health_check: str | None = HEALTH_AUTO
+    health_check_timeout_s: float = Field(default=10.0, gt=0, le=600)
+
+    @field_validator("health_check")
+    @classmethod
+    def _a_command(cls, value: str | None) -> str | None:
+        if value is not None and value != HEALTH_AUTO:
+            health_argv(value, 0, "0")  # raises, in one line, on what cannot run
+        return value
 
 
 class FaultConfig(_Frozen):
@@ -453,6 +498,21 @@ class JobConfig(BaseSettings):
     recovery: RecoveryConfig = RecoveryConfig()
     faults: tuple[FaultConfig, ...] = Field(default=(), strict=False)
     tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _minimum_fits_the_launch(self) -> JobConfig:
+        recovery, launch = self.recovery, self.launch
+        if recovery.min_ranks is not None and recovery.min_ranks > launch.nproc:
+            raise ValueError(
+                f"recovery.min_ranks {recovery.min_ranks} is more than launch.nproc "
+                f"{launch.nproc}: a job never runs on more ranks than it was launched with"
+            )
+        if recovery.min_nodes is not None and recovery.min_nodes > launch.nnodes:
+            raise ValueError(
+                f"recovery.min_nodes {recovery.min_nodes} is more than launch.nnodes "
+                f"{launch.nnodes}: a job never runs on more nodes than it was launched with"
+            )
+        return self
 
     @classmethod
     def settings_customise_sources(

@@ -53,6 +53,13 @@ INCREMENTAL_TESTS = (
 GATE_TESTS = ("tests/publish/test_gate.py",)
 CLOCK_TESTS = ("tests/infra/test_clocks.py", "tests/reliability/test_ledger_times.py")
 FLEET_TESTS = ("tests/tasks/test_node_fleet.py",)
+HEALTH_TESTS = ("tests/tasks/test_health.py",)
+CAPACITY_DECISION_TESTS = (  # the orchestrator's decisions alone, not the jobs of that module
+    "tests/reliability/test_capacity.py::test_too_few_slots_left_fail_the_job_in_one_line_after_the_wait",
+    "tests/reliability/test_capacity.py::test_a_slot_back_within_the_wait_relaunches_at_full_size",
+    "tests/reliability/test_capacity.py::test_the_health_check_before_a_relaunch_leaves_the_usable_slots",
+)
+NODE_CAPACITY_TESTS = ("tests/reliability/test_node_capacity.py",)
 PARK_TESTS = (
     "tests/trainer/test_startup.py",
     "tests/reliability/test_recovery_paths.py::"
@@ -632,6 +639,90 @@ BREAKS = (
         "trainer/checkpoint/delta.py",
         (("        self.previous = None\n", "        pass\n"),),
         INCREMENTAL_TESTS,
+    ),
+    Break(
+        "B71",
+        "a health check that never answers takes its slot for usable",
+        "tasks/health.py",
+        (('Verdict(slot, False, f"no answer within', 'Verdict(slot, True, f"no answer within'),),
+        HEALTH_TESTS,
+    ),
+    Break(
+        "B72",
+        "recovery.min_ranks ignored: a lost slot fails the job instead of shrinking it",
+        "tasks/orchestrator.py",
+        (
+            (
+                "        minimum = self.config.recovery.min_ranks or launched\n",
+                "        minimum = launched\n",
+            ),
+        ),
+        CAPACITY_DECISION_TESTS,
+    ),
+    Break(
+        "B73",
+        "lost slots are never probed again: a device that returns is never regained",
+        "tasks/health.py",
+        (("            self.recheck_lost()\n", "            pass\n"),),
+        HEALTH_TESTS,
+    ),
+    Break(
+        "B74",
+        "a trainer's ranks without an orchestrator number the attempt each by its own files",
+        "infra/lease.py",
+        (
+            (
+                "        yield attempt if held.attempt is None else held.attempt\n",
+                "        yield attempt\n",
+            ),
+        ),
+        ("tests/reliability/test_job_lease.py",),
+    ),
+    Break(
+        "B75",
+        "a job left with exactly min_nodes nodes (or min_ranks ranks) fails instead of going on",
+        "tasks/orchestrator.py",
+        (("        if left >= minimum:\n", "        if left > minimum:\n"),),
+        NODE_CAPACITY_TESTS,
+    ),
+    Break(
+        "B76",
+        "the grow-back kills the smaller attempt instead of preempting it (no commit to grow from)",
+        "tasks/remote_node.py",
+        (
+            (
+                "        self.fleet.order(self.run, Order(0, OrderKind.END, preempt=True, "
+                "grace_s=grace_s))\n",
+                "        self.fleet.order(self.run, Order(0, OrderKind.END, preempt=False, "
+                "grace_s=grace_s))\n",
+            ),
+        ),
+        NODE_CAPACITY_TESTS,
+    ),
+    Break(
+        "B77",
+        "a relaunch counts parked spares as nodes: more nodes than the job was launched with",
+        "tasks/orchestrator.py",
+        (
+            (
+                "            lambda: min(fleet.parked(), launched), launched, minimum, "
+                '"nodes", "min_nodes"\n',
+                '            lambda: fleet.parked(), launched, minimum, "nodes", "min_nodes"\n',
+            ),
+        ),
+        NODE_CAPACITY_TESTS,
+    ),
+    Break(
+        "B78",
+        "a node run launches the config's node count, not its order's (a shrunk launch waits)",
+        "tasks/node_runner.py",
+        (
+            (
+                "        return dataclasses.replace(self.spec, nnodes=launch.nnodes)\n",
+                "        return self.spec\n",
+            ),
+        ),
+        NODE_CAPACITY_TESTS,
     ),
 )
 

@@ -20,6 +20,7 @@ are the job's in-memory checkpoint copies on this host (infra/memory_tier.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -186,8 +187,13 @@ class NodeRunner:
             self._stop.set()
         self._status(force=True)
 
+    def _spec_of(self, launch: Launch) -> LaunchSpec:
+        """The job's launch with the order's node count, not the config's: fewer after a
+        lost node with no spare (``recovery.min_nodes``; one node runs standalone)."""
+        return dataclasses.replace(self.spec, nnodes=launch.nnodes)
+
     def _start(self, launch: Launch) -> None:
-        spec = self.spec
+        spec = self._spec_of(launch)
         command = spec.command(launch.node_rank, launch.rendezvous, launch.run_id, self.address)
         env = {
             **os.environ,

@@ -31,10 +31,13 @@ trains and its standby parked, so it does not compete with their start for the C
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import logging
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -61,7 +64,7 @@ from infra.settings import (
     dump_config,
     load_config,
 )
-from tasks import job_identity
+from tasks import health, job_identity
 from tasks.attempt import (
     LOCAL_ADDRESS,
     AttemptProcess,
@@ -70,14 +73,16 @@ from tasks.attempt import (
     Timeouts,
     watch,
 )
+from tasks.capacity import Capacity
 from tasks.local_node import Log
 from tasks.node_runs import WorkPoolNodeRuns
-from tasks.remote_node import NodeFleet, NodeRuns
+from tasks.remote_node import NodeFleet, NodeRuns, RemoteNode
 from tasks.rendezvous import RendezvousHost
 from tasks.retry_policy import JobOutcome, RetryPolicy
 from tasks.side_evaluator import SideEvaluator
 
 MAX_STANDBY_LOSSES = 3  # standbys lost in a row before the job goes on without one
+CAPACITY_POLL_S = 0.5  # how often a launch waiting for lost rank slots looks again
 EVAL_FINISH_TIMEOUT_S = 300.0  # after training, for the side evaluator to evaluate the anchor
 
 
@@ -151,6 +156,10 @@ class Orchestrator:
         self._standby_losses = 0  # in a row, since a standby was last promoted
         self._last_lost: tuple[int, float] | None = None  # the last standby lost, and when
         self.policy = RetryPolicy(config.recovery)
+        self.capacity = Capacity(config.launch.nproc)  # this host's rank slots, some lost
+        self.health: health.HealthMonitor | None = None  # what marks them lost (or back)
+        self._slots = tuple(range(config.launch.nproc))  # the running attempt's
+        self._growing = False  # the smaller attempt was asked to commit and end: slots back
         self._recovered_in_process = 0
         self._settled = False
         self._lease: JobLease | None = None
@@ -181,6 +190,7 @@ class Orchestrator:
             dump_config(self.config, path)
             storage.write_text(self.layout.config, config_yaml(self.config))  # the job's record
             self.spec = LaunchSpec.of(self.config, path, **self._launch_seams)
+            self._launched = self.spec  # every slot's: a smaller attempt's is derived from it
             pool = self.config.launch.work_pool
             if self.spec.nnodes > 1:
                 self._rendezvous = RendezvousHost(advertise_address() if pool else LOCAL_ADDRESS)
@@ -192,6 +202,8 @@ class Orchestrator:
             if self.first_attempt:
                 self._measure_clocks()
             self._current = self._spawn(standby=False)
+            if self._fleet is None and self.spec.nnodes == 1:  # this host's slots: checked
+                self.health = health.monitor(self.config, self.capacity, self.spec.env, self.log)
         except BaseException:
             self._cleanup()
             raise
@@ -207,7 +219,7 @@ class Orchestrator:
             attempt.end(self.timeouts.grace_s, preempt=False)  # what is left of it
             self._outcome = self.policy.decide(self._reports)
             if self._outcome is None:
-                self._current = self._next(self._reports[-1])
+                self._current = self._next(self._reports[-1])  # None: too few ranks left
 
     def __exit__(
         self,
@@ -245,6 +257,8 @@ class Orchestrator:
             if self._current is not None:
                 self._current.end(self.timeouts.grace_s, preempt=False)
         finally:
+            if self.health is not None:
+                self.health.close()
             if hasattr(self, "evaluator"):
                 self.evaluator.stop()
             if self._fleet is not None:
@@ -318,6 +332,8 @@ class Orchestrator:
 
     def _progress(self, progress: Progress) -> None:
         self._check_standby()
+        self._grow_back(progress)
+        self._grow_back_nodes(progress)
         if progress.phase == Phase.TRAINING:
             if self._wants_standby and self._standby is None:
                 self._standby = self._spawn(standby=True)
@@ -332,14 +348,38 @@ class Orchestrator:
         self.observer.progress(progress)
 
     # -- what next ---------------------------------------------------------------------------
-    def _next(self, report: AttemptReport) -> AttemptProcess:
-        """The next attempt: the standby, promoted, or a cold launch under a new number."""
+    def _next(self, report: AttemptReport) -> AttemptProcess | None:
+        """The next attempt: the standby, promoted, or a cold launch under a new number, on
+        as many ranks as the host has left (None, the job's outcome set: fewer than
+        ``recovery.min_ranks``)."""
         delay = self.policy.delay_s(self._reports)
         if delay > 0:
             self.log.warning("%s; relaunching in %.1f s", report.describe(), delay)
             self.sleep(delay)
+        if self._fleet is not None:  # a job on a work pool: its node runs, not this host's slots
+            return self._next_on_nodes(report)
+        slots = self._ranks_for_next()
+        if slots is None:
+            return None
+        self._growing = False
         self._check_standby()  # a standby that died meanwhile is lost, not promoted
         standby, self._standby = self._standby, None
+        if slots != self._slots:  # resized: a standby of the old slots cannot serve
+            if standby is not None:
+                standby.release()
+                standby = None
+            self.log.warning(
+                "%s; relaunching on %d of %d ranks (slots %s), resharded from the newest commit",
+                report.describe(),
+                len(slots),
+                self.capacity.launched,
+                ",".join(map(str, slots)),
+            )
+            self._slots, launched = slots, self._launched
+            cuda = health.cuda_host(self.config)  # its ranks see only the usable devices
+            env = health.attempt_env(launched.env, slots, self.capacity.launched, cuda)
+            self.spec = dataclasses.replace(launched, nproc=len(slots), env=env)
+            return self._spawn(standby=False)
         if standby is not None:
             how = f"promoting standby attempt {standby.number}"
         elif self._last_lost is not None:
@@ -354,6 +394,150 @@ class Orchestrator:
         standby.promote(self._job_state())
         self._standby_losses = 0
         return standby
+
+    def _grow_back(self, progress: Progress) -> None:
+        """An attempt running smaller than the host's slots now allow: preempt it (SIGTERM to
+        its launcher: it commits a durable checkpoint at its step boundary and exits), so the
+        next attempt relaunches at the larger size from that commit."""
+        attempt = self._current
+        if (
+            self._growing
+            or attempt is None
+            or self._fleet is not None
+            or progress.phase != Phase.TRAINING
+            or self.config.checkpoint.mode == CheckpointMode.OFF
+            or self.spec.nproc >= self.capacity.ranks
+        ):
+            return
+        self._growing = True
+        self.log.warning(
+            "%d rank slots usable again: attempt %d (%d ranks) checkpoints and ends, the job "
+            "relaunches on %d ranks from that commit",
+            self.capacity.ranks,
+            attempt.number,
+            self.spec.nproc,
+            self.capacity.ranks,
+        )
+        for node in attempt.nodes:
+            for pid in node.pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+
+    def _ranks_for_next(self) -> tuple[int, ...] | None:
+        """The next attempt's rank slots: every slot, once the lost ones return within
+        ``recovery.wait_for_capacity_s``; else the usable ones, if at least ``min_ranks``
+        (else None, and the job fails with one line saying so). The health check probes
+        every slot first; its thread probes the lost ones again while this waits."""
+        if self.health is not None:
+            self.health.check_all()
+        launched = self.capacity.launched
+        minimum = self.config.recovery.min_ranks or launched
+        left = self._after_capacity_wait(
+            lambda: self.capacity.ranks, launched, minimum, "rank slots", "min_ranks"
+        )
+        return None if left is None else self.capacity.usable
+
+    def _after_capacity_wait(
+        self, usable: Callable[[], int], launched: int, minimum: int, unit: str, knob: str
+    ) -> int | None:
+        """What ``usable`` counts once it is back to ``launched`` or
+        ``recovery.wait_for_capacity_s`` has passed, if at least ``minimum``; else None, and
+        the job fails with one line naming the numbers and ``recovery.<knob>``."""
+        wait_s = self.config.recovery.wait_for_capacity_s
+        left = usable()
+        if left < launched:
+            self.log.warning(
+                "%d of %d %s lost: waiting up to %.0f s for them to return",
+                launched - left,
+                launched,
+                unit,
+                wait_s,
+            )
+        waited = 0.0
+        while left < launched and waited < wait_s:
+            step = min(CAPACITY_POLL_S, wait_s - waited)
+            self.sleep(step)
+            waited += step
+            left = usable()
+        if left >= minimum:
+            return left
+        self._outcome = JobOutcome(
+            False,
+            f"capacity lost: {left} of {launched} {unit} left after {wait_s:g} s, "
+            f"recovery.{knob} is {minimum}",
+            tuple(self._reports),
+        )
+        self.log.error("%s", self._outcome.message)
+        return None
+
+    # -- a job on a work pool: fewer nodes, and back ---------------------------------------
+    def _next_on_nodes(self, report: AttemptReport) -> AttemptProcess | None:
+        """The next attempt of a job on a work pool, cold on parked node runs: on fewer nodes
+        than it was launched with after a lost node with no spare (``recovery.min_nodes``),
+        resharded from the newest commit; on more once they park again (None, the job's
+        outcome set: fewer than ``min_nodes`` left)."""
+        assert self._fleet is not None
+        nodes = self._nodes_for_next()
+        if nodes is None:
+            return None
+        self._growing = False
+        if nodes != self.spec.nnodes:
+            self.log.warning(
+                "%s; relaunching on %d of %d nodes, resharded from the newest commit",
+                report.describe(),
+                nodes,
+                self._fleet.nnodes,
+            )
+            self.spec = dataclasses.replace(self.spec, nnodes=nodes)
+        else:
+            self.log.warning("%s; relaunching cold (%s)", report.describe(), self.policy.describe())
+        return self._spawn(standby=False)
+
+    def _nodes_for_next(self) -> int | None:
+        """The next attempt's nodes: ``launch.nnodes`` once that many node runs are parked
+        (the survivors, a spare, a replacement) within ``recovery.wait_for_capacity_s``;
+        else as many as are parked, if at least ``min_nodes`` (else None, and the job fails
+        in one line). ``min_nodes`` null: never fewer, the launch waits for a replacement
+        up to ``startup_timeout_s`` as it always did."""
+        fleet = self._fleet
+        assert fleet is not None
+        launched, minimum = fleet.nnodes, self.config.recovery.min_nodes
+        if minimum is None:
+            return launched
+        return self._after_capacity_wait(
+            lambda: min(fleet.parked(), launched), launched, minimum, "nodes", "min_nodes"
+        )
+
+    def _grow_back_nodes(self, progress: Progress) -> None:
+        """A job on a work pool training on fewer nodes than it was launched with, once a
+        node run parks beside it (the replacement placed, the lost host back): preempt the
+        attempt (each of its node runs SIGTERMs its launch: the trainer commits a durable
+        checkpoint at its step boundary and exits), so the next attempt relaunches on more
+        nodes from that commit (``_next_on_nodes``)."""
+        fleet, attempt = self._fleet, self._current
+        if (
+            fleet is None
+            or attempt is None
+            or self._growing
+            or progress.phase != Phase.TRAINING
+            or self.config.checkpoint.mode == CheckpointMode.OFF
+            or self.spec.nnodes >= fleet.nnodes
+            or (idle := fleet.parked()) == 0
+        ):
+            return
+        self._growing = True
+        self.log.warning(
+            "%d more node run(s) parked: attempt %d (on %d of %d nodes) checkpoints and ends, "
+            "the job relaunches on %d nodes from that commit",
+            idle,
+            attempt.number,
+            self.spec.nnodes,
+            fleet.nnodes,
+            min(fleet.nnodes, self.spec.nnodes + idle),
+        )
+        for node in attempt.nodes:
+            if isinstance(node, RemoteNode):
+                node.preempt(self.timeouts.grace_s)
 
     # -- the standby -------------------------------------------------------------------------
     @property
@@ -412,8 +596,9 @@ class Orchestrator:
         if self._fleet is not None:  # parked node runs on the pool's hosts
             wait_s = self.config.recovery.startup_timeout_s
             attempt = AttemptProcess(number, False, self.spec, self.log)
+            state, nnodes = self._job_state(), self.spec.nnodes
             attempt.nodes.extend(
-                self._fleet.launch(number, self._job_state(), env, rendezvous or "", wait_s)
+                self._fleet.launch(number, state, env, rendezvous or "", wait_s, nnodes)
             )
             return attempt
         return AttemptProcess.spawn(

@@ -13,7 +13,9 @@ submitted in its place. An attempt that lost a node fails (``128 + SIGKILL``); t
 launches on the survivors and a spare, which parked long before, instead of waiting for a
 fresh host to be placed and to import. The spare used up is replaced only once that attempt
 trains: placing and importing a node run costs its host's CPU and the pool's capacity, and
-neither may delay the relaunch it is there to speed up.
+neither may delay the relaunch it is there to speed up. With no spare and
+``recovery.min_nodes`` set, the orchestrator may launch on fewer node runs than ``nnodes``
+(``launch(..., nnodes=)``): the job goes on smaller until the replacement parks.
 """
 
 from __future__ import annotations
@@ -209,25 +211,39 @@ class NodeFleet:
         )
 
     # -- launching --------------------------------------------------------------------------
+    def parked(self) -> int:
+        """Node runs (spares included) that could take a launch now, every member
+        refreshed first: what a relaunch after a lost node may use (tasks/orchestrator.py)."""
+        self.check()
+        return sum(_parked(r) for r in self.members)
+
     def launch(
-        self, number: int, state: JobState, env: dict[str, str], rendezvous: str, wait_s: float
+        self,
+        number: int,
+        state: JobState,
+        env: dict[str, str],
+        rendezvous: str,
+        wait_s: float,
+        nnodes: int | None = None,
     ) -> list[RemoteNode]:
-        """Attempt ``number`` on ``nnodes`` parked node runs (spares last); waits up to
+        """Attempt ``number`` on ``nnodes`` parked node runs (default: the job's; fewer
+        after a lost node with no spare, recovery.min_nodes), spares last; waits up to
         ``wait_s`` for enough of them to park. Raises NodesUnavailable."""
+        count = nnodes or self.nnodes
         deadline = time.monotonic() + wait_s
         while True:
             self.check()
             parked = [r for r in self.members if _parked(r)]
-            if len(parked) >= self.nnodes:
+            if len(parked) >= count:
                 break
             if time.monotonic() > deadline:
                 raise NodesUnavailable(
-                    f"{len(parked)} of {self.nnodes} node runs parked after {wait_s:.0f} s "
+                    f"{len(parked)} of {count} node runs parked after {wait_s:.0f} s "
                     f"(work pool {self.config.launch.work_pool!r}: is a worker polling it, "
                     "with a train-node deployment?)"
                 )
             time.sleep(STATUS_EVERY_S)
-        chosen = sorted(parked, key=_preference)[: self.nnodes]
+        chosen = sorted(parked, key=_preference)[:count]
         for run in chosen:
             run.spare = False  # a spare promoted into a node's place is a node now
         for run in self.members:
@@ -240,7 +256,7 @@ class NodeFleet:
             launch = Launch(
                 number,
                 rank,
-                self.nnodes,
+                count,
                 rendezvous,
                 run_id,
                 env,
@@ -320,6 +336,11 @@ class RemoteNode:
 
     def promote(self, state: JobState, command: Command) -> None:
         raise NotImplementedError("a job on a work pool keeps spare nodes, not a standby")
+
+    def preempt(self, grace_s: float) -> None:
+        """Order the node run to preempt its launch (SIGTERM: the trainer commits at its step
+        boundary and exits), without waiting: the watch sees it end (a grow-back)."""
+        self.fleet.order(self.run, Order(0, OrderKind.END, preempt=True, grace_s=grace_s))
 
     def end(self, grace_s: float, first: int) -> list[int]:
         """Order the node run to end its launch (SIGTERM and ``grace_s`` first when

@@ -231,3 +231,37 @@ def use_launcher(monkeypatch: Any, *launcher: str) -> None:
         return original(config, config_path, **{"launcher": launcher, **seams})
 
     monkeypatch.setattr(orchestrator.LaunchSpec, "of", staticmethod(of))
+
+
+def per_global_batch(config: JobConfig) -> dict[int, tuple[int, float]]:
+    """step -> (rows digest, mean loss) of its last execution, the ranks' shares together: the
+    same rows per global batch give the same digest at any world size (issue 29). A step's
+    last execution is rank 0's last, on its attempt's world size (its ``model_flops`` mark):
+    a step redone on fewer ranks counts only the ranks that redid it."""
+    from infra.accounting.ledger_read import read_events
+
+    events = read_events(config.layout)
+    world = {
+        e.attempt: int(e.attrs["world_size"])
+        for e in events
+        if e.name == "model_flops" and e.rank == 0
+    }
+    last: dict[tuple[int, int], Any] = {}  # (step, rank) -> its last execution
+    for e in sorted(events, key=lambda e: e.start):
+        if e.name == "train_step" and "loss" in e.attrs and e.step is not None:
+            last[(e.step, e.rank)] = e
+    out: dict[int, tuple[int, float]] = {}
+    for step in sorted({s for s, _ in last}):
+        ranks = world.get(last[(step, 0)].attempt, 1)
+        shares = [last[(step, r)].attrs for r in range(ranks)]
+        digest = sum(a["rows_digest"] for a in shares) % 2**64
+        out[step] = (digest, sum(a["loss"] for a in shares) / len(shares))
+    return out
+
+
+def assert_same_rows(clean: JobConfig, config: JobConfig, steps: int) -> None:
+    """Every global batch's rows once: ``clean``'s digests, step for step, for steps 1 to
+    ``steps`` (steps redone after a failure count once, as their last attempt ran them)."""
+    want, got = per_global_batch(clean), per_global_batch(config)
+    assert sorted(got) == list(range(1, steps + 1))
+    assert {s: d for s, (d, _) in got.items()} == {s: d for s, (d, _) in want.items()}

@@ -11,6 +11,7 @@ through a Prefect server and its workers, is tests/reliability/test_multi_host.p
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from infra import processes
 from infra.node_protocol import ENV_ADVERTISE, ENV_SCRATCH
+from tests import procs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,6 +73,7 @@ class SubprocessNodeRuns:
         self.placed: dict[str, Host] = {}
         self.pending: list[str] = []
         self.cancelled: set[str] = set()
+        self.down: set[Host] = set()  # hosts gone: nothing is placed on them
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._placer = threading.Thread(target=self._place_pending, daemon=True)
@@ -85,7 +88,7 @@ class SubprocessNodeRuns:
 
     def _free_host(self) -> Host | None:
         busy = {self.placed[k] for k, p in self.procs.items() if p.poll() is None}
-        return next((h for h in self.hosts if h not in busy), None)
+        return next((h for h in self.hosts if h not in busy | self.down), None)
 
     def _place(self) -> None:
         while self.pending and (host := self._free_host()) is not None:
@@ -135,6 +138,25 @@ class SubprocessNodeRuns:
     def kill(self, run_id: str) -> None:
         """SIGKILL a node run from outside, as a host lost would."""
         os.kill(self.procs[run_id].pid, signal.SIGKILL)
+
+    def lose_host(self, run_id: str) -> Host:
+        """The host of ``run_id`` gone: every process on it SIGKILLed from outside (the node
+        run, its agents, its ranks: all carry the host's scratch folder), and nothing placed
+        there until ``return_host``. Returns the host."""
+        host = self.placed[run_id]
+        with self._lock:
+            self.down.add(host)
+        self.kill(run_id)
+        for pid in procs.carrying(**{ENV_SCRATCH: str(host.scratch)}):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return host
+
+    def return_host(self, host: Host) -> None:
+        """``host`` is back: a node run waiting for a host may be placed on it."""
+        with self._lock:
+            self.down.discard(host)
+            self._place()
 
     def log(self, run_id: str) -> str:
         return (self.placed[run_id].scratch / f"{run_id}.log").read_text(errors="replace")

@@ -4,6 +4,10 @@ the tests and benchmarks that kill a job's processes or check that none is left.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import time
 from pathlib import Path
 
 from infra import processes
@@ -60,3 +64,16 @@ def carrying(**env: str) -> list[int]:
         if mine and processes.pid_alive(pid):
             found.append(pid)
     return found
+
+
+def end_leftovers(timeout: float = 15.0, **env: str) -> list[int]:
+    """Wait up to ``timeout`` for the processes carrying ``env`` to end; SIGKILL those left
+    and return them (a test asserts the list empty: nothing of it outlives the run)."""
+    deadline = time.monotonic() + timeout
+    while carrying(**env) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = carrying(**env)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return left

@@ -147,9 +147,10 @@ def attempt(config: JobConfig, control: RankControl | None) -> Iterator[tuple[Le
     destroyed on the way out, whatever ended the attempt."""
     storage.configure(config.storage)
     rank = int(os.environ.get("RANK", "0"))
-    with trainer_lease(config.layout, rank):  # one job id, one job (infra/lease.py)
+    # One job id, one job (infra/lease.py); without an orchestrator, rank 0's number for all.
+    with trainer_lease(config.layout, rank, attempt_number(config.layout, rank)) as number:
         recover_orphaned_spools(config.layout)  # ledger events of killed attempts on this node
-        ledger = Ledger(config.layout, attempt=attempt_number(config.layout, rank), rank=rank)
+        ledger = Ledger(config.layout, attempt=number, rank=rank)
         ledger.mark(Mark.ATTEMPT_START, pid=os.getpid(), standby=bool(control and control.standby))
         preemption = Preemption()
         preemption.install()
@@ -179,8 +180,10 @@ def close(code: int, ledger: Ledger | None, control: RankControl | None) -> int:
 
 
 def attempt_number(layout: JobLayout, rank: int) -> int:
-    """The attempt number: ETT_ATTEMPT from the orchestrator, else one past this rank's
-    previous trainer ledgers (each rank counts its own files, so all ranks agree)."""
+    """This rank's attempt number: ETT_ATTEMPT from the orchestrator, else one past this
+    rank's previous trainer ledgers. Only rank 0's count is the launch's (rank 0 is in every
+    launch; rank 1 of a job that ran on 1 rank in between counts one launch fewer): the
+    other ranks take rank 0's from its lease (``trainer_lease``)."""
     if ENV_ATTEMPT in os.environ:
         return int(os.environ[ENV_ATTEMPT])
     return next_attempt(layout, role="trainer", rank=rank)

@@ -162,11 +162,10 @@ def _attempts(
             outcome = Outcome.STOPPED if Span.SHUTDOWN in names else Outcome.UNFINISHED
         end = max(e.end for e in own)
         start = min(e.start for e in by_attempt[a])
-        attempts.append(
-            AttemptSummary(
-                a, start - t0, end - t0, outcome, min(nums, default=None), max(nums, default=None)
-            )
-        )
+        sized = [e for e in by_attempt[a] if e.name == Mark.MODEL_FLOPS]
+        ranks = int(sized[0].attrs.get("world_size", 1)) if sized else None
+        first, last = min(nums, default=None), max(nums, default=None)
+        attempts.append(AttemptSummary(a, start - t0, end - t0, outcome, first, last, ranks))
         if outcome.failed:
             died.append((end, a, marks[0] if marks else None))
         elif outcome == Outcome.STOPPED and a != order[-1]:

@@ -165,6 +165,7 @@ class AttemptSummary:
     outcome: Outcome
     first_step: int | None
     last_step: int | None
+    ranks: int | None = None  # its world size (its model_flops mark; None before it had one)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import numpy as np
 
 from infra import tables
 from infra.accounting.mfu import MfuReport
-from infra.accounting.records import BUCKETS, Bucket, EttReport
+from infra.accounting.records import BUCKETS, AttemptSummary, Bucket, EttReport
 from infra.figures import pyplot, save_png
 
 TIMELINE_BINS = 2000  # slices of the timeline: more than the figure's pixels across
@@ -147,12 +147,22 @@ def sections(r: EttReport, mfu: MfuReport | None = None) -> list[tables.Section]
     ]
     if mfu is not None:
         sections.insert(2, ("Model efficiency", ["metric", "value"], _efficiency(mfu)))
+    if r.resizes:  # a job that ran on several world sizes: each attempt's
+        sizes = [
+            [str(a.attempt), "?" if a.ranks is None else str(a.ranks), _steps(a), str(a.outcome)]
+            for a in r.attempts
+        ]
+        sections.append(("World size per attempt", ["attempt", "ranks", "steps", "outcome"], sizes))
     # Said only when there is something to say: what recovery did, and times not believed.
     if recovered := recovery_lines(r):
         sections.insert(1, ("What recovery did", ["what"], [[line] for line in recovered]))
     if notes := r.clock.notes():
         sections.insert(1, ("Ledger checks", ["finding"], [[line] for line in notes]))
     return sections
+
+
+def _steps(a: AttemptSummary) -> str:
+    return "-" if a.first_step is None else f"{a.first_step}-{a.last_step}"
 
 
 def recovery_lines(r: EttReport) -> list[str]:

@@ -297,6 +297,9 @@ def log_job_report(
     # What recovery did and what the ledger checks found: one line each, in the run's tags.
     if recovered := recovery_lines(report):
         tags["ett.recovery"] = "\n".join(recovered)[:TAG_LIMIT]
+    # Each resize on a tag of its own, so a search finds the jobs that ran smaller.
+    if report.resizes:
+        tags["ett.resizes"] = "\n".join(r.describe() for r in report.resizes)[:TAG_LIMIT]
     if notes := report.clock.notes():
         tags["ett.ledger_checks"] = "\n".join(notes)[:TAG_LIMIT]
     ml.log_batch(run_id, metrics=metrics, tags=[RunTag(k, v) for k, v in tags.items()])

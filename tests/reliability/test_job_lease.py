@@ -92,6 +92,44 @@ def test_trainers_with_the_orchestrators_token_share_its_lease(
             t.join()
 
 
+def test_ranks_without_an_orchestrator_take_rank_0s_attempt_number_after_a_resize(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job run without an orchestrator on 2 ranks, then on 1, now on 2 again: rank 1 has
+    one ledger file where rank 0 has two. Counting its own files, rank 1 would call this
+    launch attempt 1, the 1-rank launch's number: its events filed with another launch's
+    (an MFU weighed against that launch's devices). It takes rank 0's number, 2, from the
+    lease rank 0 holds."""
+    from infra.accounting.ledger import Ledger
+    from infra.accounting.ledger_format import Mark
+    from infra.control import ENV_ATTEMPT
+    from infra.lease import ENV_VAR, trainer_lease
+    from trainer.train import attempt_number
+
+    layout = JobLayout.at(f"file://{tmp_path}/jobs/resized")
+    for attempt, rank in [(0, 0), (0, 1), (1, 0)]:  # 2 ranks, then 1
+        with Ledger(layout, attempt=attempt, rank=rank) as ledger:
+            ledger.mark(Mark.ATTEMPT_START, pid=os.getpid())
+    for name in (ENV_VAR, ENV_ATTEMPT):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "third-launch")
+    assert [attempt_number(layout, rank) for rank in (0, 1)] == [2, 1]  # the ranks' counts
+    both_in = threading.Barrier(2, timeout=60)
+    numbers: dict[int, int] = {}
+
+    def rank(r: int) -> None:
+        with trainer_lease(layout, r, attempt_number(layout, r)) as number:
+            numbers[r] = number
+            both_in.wait()  # rank 0 holds its lease until rank 1 has read it
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert numbers == {0: 2, 1: 2}
+
+
 # -- the lease --------------------------------------------------------------------------------
 @pytest.fixture(params=["file", "s3"])
 def job_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:

@@ -5,7 +5,6 @@ tests/reliability/test_multi_host.py."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -72,13 +71,7 @@ def node_runs(tmp_path: Path) -> Iterator[tuple[JobConfig, SubprocessNodeRuns]]:
     yield make
     for runs in made:
         runs.close()
-    deadline = time.monotonic() + 15
-    while procs.carrying(**{MARKER: str(tmp_path)}) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = procs.carrying(**{MARKER: str(tmp_path)})
-    for pid in left:  # the test fails, and ends them: nothing of it outlives the run
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    left = procs.end_leftovers(**{MARKER: str(tmp_path)})
     assert left == [], "a node run or trainer outlived it"
 
 

@@ -27,6 +27,7 @@ from infra.checkpoint_manifest import committed_checkpoints, rank_state_name
 from infra.settings import JobConfig
 from tests.factories import (
     checkpoint_tensors,
+    per_global_batch,
     resume_marks,
     run_trainer,
     tiny_config,
@@ -46,20 +47,6 @@ def _config(tmp_path: Path, job_id: str, data_url: str, steps: int) -> JobConfig
         train={"steps": steps, "eval": "inline", "eval_every": STEPS, "log_every": 5},
         checkpoint={"mode": "sync", "every_steps": 5, "keep_latest_k": 2},
     )
-
-
-def _per_global_batch(config: JobConfig) -> dict[int, tuple[int, float]]:
-    """step -> (rows digest, mean loss) of its last execution, the ranks' shares together."""
-    last: dict[tuple[int, int], dict] = {}
-    for e in read_events(config.layout):
-        if e.name == "train_step" and "loss" in e.attrs:
-            last[(e.step, e.rank)] = e.attrs  # a later attempt's execution replaces it
-    out: dict[int, tuple[int, float]] = {}
-    for step in sorted({s for s, _ in last}):
-        shares = [a for (s, _), a in last.items() if s == step]
-        digest = sum(a["rows_digest"] for a in shares) % 2**64
-        out[step] = (digest, sum(a["loss"] for a in shares) / len(shares))
-    return out
 
 
 def _final_auc(config: JobConfig) -> float:
@@ -94,7 +81,7 @@ def test_two_ranks_then_one_then_two_match_two_ranks_throughout(tmp_path: Path) 
     assert newest.manifest.data_position == rank0["loader"]
     assert newest.manifest.data_position["row_offset"] > 0
 
-    want, got = _per_global_batch(clean), _per_global_batch(resized)
+    want, got = per_global_batch(clean), per_global_batch(resized)
     assert list(got) == list(want) == list(range(1, STEPS + 1))
     assert [d for d, _ in got.values()] == [d for d, _ in want.values()]  # the same rows
     gaps = [abs(got[s][1] - want[s][1]) for s in want]
