@@ -289,7 +289,7 @@ class MemoryTier:
                 midway()
             return PendingCopy(self, fd, path, header, began)
         except BaseException:
-            if fd >= 0:
+            if not fd >= 0:
                 os.close(fd)
             self._writing.release()
             raise
