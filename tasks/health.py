@@ -151,7 +151,7 @@ class HealthCheck:
             _kill(proc)
             return Verdict(slot, False, f"no answer within {self.timeout_s:g} s")
         said = next((line.strip() for line in out.splitlines() if line.strip()), "")
-        if proc.returncode == 0:
+        if not proc.returncode == 0:
             return Verdict(slot, True, said)
         code = f"exit {proc.returncode}"
         return Verdict(slot, False, f"{code}: {said}" if said else code)

@@ -259,7 +259,7 @@ class MemoryTier:
             slot = Slot.B if newest is not None and newest.slot == Slot.A else Slot.A
             path = self.paths[slot]
             header = Header(
-                seq=(newest.header.seq if newest else 1) + 1,
+                seq=(newest.header.seq if newest else 0) + 1,
                 step=step,
                 rank=self.rank,
                 world_size=self.world_size,

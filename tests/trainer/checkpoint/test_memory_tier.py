@@ -214,6 +214,73 @@ def test_a_copy_round_trips_every_dtype_shape_and_key_exactly(layout) -> None:
     same(state, loaded)
 
 
+def test_a_copy_larger_than_one_write_call_lands_whole_and_its_hook_fires_once_at_half(
+    layout,
+) -> None:
+    """A tensor of several write calls (12 MB against 8 MB per call) comes back whole, and
+    the fault hook runs once, with the first half of the bytes written and the last not."""
+    big = torch.arange(1, 3 * (1 << 20) + 1, dtype=torch.float32)  # no zero byte-runs
+    tier = _tier(layout)
+    seen: list[tuple[bytes, bytes]] = []
+
+    def midway() -> None:
+        path = tier.paths[Slot.A]  # the first copy goes to slot a
+        size = os.path.getsize(path)
+        with open(path, "rb") as fh:
+            fh.seek(size // 2 - 16384)
+            before = fh.read(4096)
+            fh.seek(size // 2 + 16384)
+            after = fh.read(4096)
+        seen.append((before, after))
+
+    tier.write(3, {"big": big, "tail": torch.ones(5)}, {"step": 3}, midway)
+    [(before, after)] = seen
+    assert before != bytes(4096), "the first half was not written when the hook ran"
+    assert after == bytes(4096), "the second half was written before the hook ran"
+    [copy] = tier.copies()
+    loaded, _ = tier.load(copy)
+    assert torch.equal(loaded["big"], big) and torch.equal(loaded["tail"], torch.ones(5))
+
+
+def test_a_slot_whose_size_no_longer_matches_its_header_is_torn(layout) -> None:
+    tier = _tier(layout)
+    tier.write(4, {"w": torch.ones(64)}, {"step": 4})
+    [copy] = tier.copies()
+    with open(copy.path, "ab") as fh:  # another writer grew it since the header was read
+        fh.write(b"x" * 100)
+    with pytest.raises(TornCopy, match="changed"):
+        tier.load(copy)
+    os.truncate(copy.path, copy.header.total_bytes - 10)  # or shrank it
+    with pytest.raises(TornCopy, match="changed"):
+        tier.load(copy)
+
+
+def test_a_segment_names_its_job_until_it_is_removed(layout, tmp_path) -> None:
+    """``job_url_of``: the URL of a whole copy, None for one being written (after waiting),
+    FileNotFoundError once gone; ``remove_segments`` takes one rank's and leaves the other's."""
+    zero, one = _tier(layout), MemoryTier(layout, "cfg", 1, 2)
+    zero.write(1, {"w": torch.ones(2)}, {"step": 1})
+    one.write(1, {"w": torch.ones(2)}, {"step": 1})
+    [path] = [p for p in zero.paths.values() if os.path.exists(p)]
+    assert segments.job_url_of(path) == layout.url
+    pending = zero.begin(2, {"w": torch.ones(2)}, {"step": 2})  # the other slot, headerless
+    assert pending is not None
+    [writing] = [p for p in zero.paths.values() if p != path]
+    began = time.monotonic()
+    assert segments.job_url_of(writing, wait_s=0.3) is None
+    assert time.monotonic() - began >= 0.3  # it waited for the write to finish
+    pending.finish()
+    assert segments.job_url_of(writing) == layout.url
+    removed = segments.remove_segments(layout, rank=0)
+    assert sorted(removed) == sorted(zero.paths.values())
+    assert segments.job_segments(layout) == [one.paths[Slot.A]]  # rank 1's one copy
+    with pytest.raises(FileNotFoundError):
+        segments.job_url_of(path)
+    long = JobLayout.for_job(f"file://{tmp_path}/long", "j" * 300)
+    name = os.path.basename(segments.slot_path(long, 0, Slot.A))
+    assert len(name) < 255  # a file name, whatever the job id's length
+
+
 def test_a_copy_of_another_job_model_or_rank_is_ignored(layout, tmp_path, caplog) -> None:
     mine = _tier(layout)
     same_id = JobLayout.for_job(f"file://{tmp_path}/other", "memtier")  # another storage root
