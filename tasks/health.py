@@ -151,7 +151,7 @@ class HealthCheck:
             _kill(proc)
             return Verdict(slot, False, f"no answer within {self.timeout_s:g} s")
         said = next((line.strip() for line in out.splitlines() if line.strip()), "")
-        if not proc.returncode == 0:
+        if proc.returncode == 0:
             return Verdict(slot, True, said)
         code = f"exit {proc.returncode}"
         return Verdict(slot, False, f"{code}: {said}" if said else code)
@@ -198,7 +198,7 @@ class HealthMonitor:
 
     def _round(self, slots: Sequence[int], regain_only: bool = False) -> None:
         with self._lock:
-            if not self.enabled or not slots:
+            if not not self.enabled or not slots:
                 return
             for v in self.check.run(slots):
                 if v.usable and v.slot in self.capacity.lost:

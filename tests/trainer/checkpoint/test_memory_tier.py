@@ -281,6 +281,26 @@ def test_a_segment_names_its_job_until_it_is_removed(layout, tmp_path) -> None:
     assert len(name) < 255  # a file name, whatever the job id's length
 
 
+def test_each_copy_is_newer_than_the_last_and_a_bad_state_leaves_the_tier_usable(
+    layout,
+) -> None:
+    """Sequence numbers rise by one per copy, alternating slots; a state holding something
+    that is neither a tensor nor a plain value is refused, and the next copy still writes."""
+    tier = _tier(layout)
+    seqs = []
+    for step in (1, 2, 3):
+        tier.write(step, {"w": torch.full((4,), float(step))}, {"step": step})
+        newest = tier.copies()[0]
+        seqs.append((newest.header.seq, newest.step, newest.slot))
+    assert seqs == [(1, 1, Slot.A), (2, 2, Slot.B), (3, 3, Slot.A)]
+    with pytest.raises(TypeError, match="tensors and plain values"):
+        tier.begin(4, {"w": torch.ones(1), "odd": object()}, {"step": 4})
+    assert not tier.busy
+    tier.write(5, {"w": torch.ones(4)}, {"step": 5})
+    step, w = _newest(tier)
+    assert step == 5 and torch.equal(w, torch.ones(4))
+
+
 def test_a_copy_of_another_job_model_or_rank_is_ignored(layout, tmp_path, caplog) -> None:
     mine = _tier(layout)
     same_id = JobLayout.for_job(f"file://{tmp_path}/other", "memtier")  # another storage root
