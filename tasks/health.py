@@ -198,7 +198,7 @@ class HealthMonitor:
 
     def _round(self, slots: Sequence[int], regain_only: bool = False) -> None:
         with self._lock:
-            if not not self.enabled or not slots:
+            if not self.enabled or not slots:
                 return
             for v in self.check.run(slots):
                 if v.usable and v.slot in self.capacity.lost:
