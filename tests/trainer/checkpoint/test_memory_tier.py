@@ -217,9 +217,10 @@ def test_a_copy_round_trips_every_dtype_shape_and_key_exactly(layout) -> None:
 def test_a_copy_larger_than_one_write_call_lands_whole_and_its_hook_fires_once_at_half(
     layout,
 ) -> None:
-    """A tensor of several write calls (12 MB against 8 MB per call) comes back whole, and
-    the fault hook runs once, with the first half of the bytes written and the last not."""
-    big = torch.arange(1, 3 * (1 << 20) + 1, dtype=torch.float32)  # no zero byte-runs
+    """A tensor of several write calls (20 MB, 10 MB on each side of the hook, against 8 MB
+    per call) comes back whole, and the fault hook runs once, with the first half of the
+    bytes written and the last not."""
+    big = torch.arange(1, 5 * (1 << 20) + 1, dtype=torch.float32)  # no zero byte-runs
     tier = _tier(layout)
     seen: list[tuple[bytes, bytes]] = []
 
@@ -233,7 +234,7 @@ def test_a_copy_larger_than_one_write_call_lands_whole_and_its_hook_fires_once_a
             after = fh.read(4096)
         seen.append((before, after))
 
-    tier.write(3, {"big": big, "tail": torch.ones(5)}, {"step": 3}, midway)
+    tier.write(3, {"head": torch.ones(3), "big": big, "tail": torch.ones(5)}, {"step": 3}, midway)
     [(before, after)] = seen
     assert before != bytes(4096), "the first half was not written when the hook ran"
     assert after == bytes(4096), "the second half was written before the hook ran"
