@@ -14,6 +14,7 @@ from infra import processes
 from infra.config_sources import ConfigError
 from infra.preflight import PreflightError, preflight
 from infra.settings import load_config
+from tasks import health
 from tasks.capacity import Capacity
 from tasks.health import (
     ENV_DEVICES,
@@ -166,3 +167,28 @@ def test_a_health_check_program_not_on_this_host_fails_the_preflight(tmp_path: P
         "recovery.health_check (no-such-probe -i {device}): no program no-such-probe here "
         "(PATH, executable)"
     )
+
+
+# -- which check a job runs ----------------------------------------------------------------------
+def test_auto_is_the_nvml_query_on_a_cuda_host_only_and_a_users_command_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``auto`` resolves on the host: the built-in query where GPUs, nvidia-smi and a CUDA
+    backend all are, else no check (and no monitor); a user's command is run as given."""
+
+    def config(check: str | None, backend: str = "nccl"):  # noqa: ANN202
+        return tiny_config(tmp_path, recovery={"health_check": check}, train={"backend": backend})
+
+    gpus = ["/dev/nvidia0"]
+    monkeypatch.setattr(health.glob, "glob", lambda pattern: gpus)
+    monkeypatch.setattr(health.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert health.resolve(config("auto")) == health.BUILTIN_CUDA
+    assert health.resolve(config("auto", backend="gloo")) is None  # the ranks use no GPU
+    assert health.resolve(config("probe {slot}", backend="gloo")) == "probe {slot}"
+    monkeypatch.setattr(health.shutil, "which", lambda name: None)
+    assert health.resolve(config("auto")) is None  # no nvidia-smi here
+    monkeypatch.setattr(health.shutil, "which", lambda name: f"/usr/bin/{name}")
+    gpus.clear()
+    assert health.resolve(config("auto")) is None  # no GPU device node
+    assert health.monitor(config("auto"), Capacity(2), {}, LOG) is None
+    assert health.monitor(config(None), Capacity(2), {}, LOG) is None
