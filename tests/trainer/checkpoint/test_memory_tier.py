@@ -294,12 +294,15 @@ def test_each_copy_is_newer_than_the_last_and_a_bad_state_leaves_the_tier_usable
         newest = tier.copies()[0]
         seqs.append((newest.header.seq, newest.step, newest.slot))
     assert seqs == [(1, 1, Slot.A), (2, 2, Slot.B), (3, 3, Slot.A)]
+    tier.keep_only(tier.copies()[1])  # slot b alone is left (after a restore of it)
+    assert [(c.slot, c.step) for c in tier.copies()] == [(Slot.B, 2)]
     with pytest.raises(TypeError, match="tensors and plain values"):
         tier.begin(4, {"w": torch.ones(1), "odd": object()}, {"step": 4})
     assert not tier.busy
     tier.write(5, {"w": torch.ones(4)}, {"step": 5})
     step, w = _newest(tier)
     assert step == 5 and torch.equal(w, torch.ones(4))
+    assert [c.slot for c in tier.copies()] == [Slot.A, Slot.B]  # written to the free slot
 
 
 def test_a_copy_of_another_job_model_or_rank_is_ignored(layout, tmp_path, caplog) -> None:
