@@ -348,11 +348,12 @@ class Checkpointer:
 
     def _write_copy(self, step: int, staging: Staging, extra: dict[str, Any]) -> None:
         """Write the staged state to the in-memory tier (``extra`` holds the step)."""
-        if self.memory is None:
+        memory = self.memory
+        if memory is None:
             return
         self._record_copy(
             step,
-            lambda: self.memory.write(  # type: ignore[union-attr]
+            lambda: memory.write(
                 step,
                 staging.staged(),
                 extra,

@@ -267,9 +267,7 @@ def test_a_segment_names_its_job_until_it_is_removed(layout, tmp_path) -> None:
     pending = zero.begin(2, {"w": torch.ones(2)}, {"step": 2})  # the other slot, headerless
     assert pending is not None
     [writing] = [p for p in zero.paths.values() if p != path]
-    began = time.monotonic()
-    assert segments.job_url_of(writing, wait_s=0.3) is None
-    assert time.monotonic() - began >= 0.3  # it waited for the write to finish
+    assert segments.job_url_of(writing, wait_s=0.3) is None  # still headerless after the wait
     pending.finish()
     assert segments.job_url_of(writing) == layout.url
     removed = segments.remove_segments(layout, rank=0)
