@@ -321,6 +321,14 @@ def watch(
     last progress seen)."""
     start = attempt.promoted_at or attempt.spawned
     last: Progress | None = None
+
+    def fresh(progress: Progress | None) -> bool:
+        # A promoted standby's record says "parked" until it reports again: not news. (A
+        # cold attempt's record is new: its time, maybe another host's clock, is not asked.)
+        return progress is not None and (
+            attempt.promoted_at is None or progress.t >= start or last is not None
+        )
+
     last_change = time.monotonic()
     first_step_by = time.monotonic() + timeouts.startup_s
     next_scan = 0.0
@@ -330,12 +338,9 @@ def watch(
             attempt.track()
             next_scan = now + TRACK_EVERY_S
         progress = attempt.progress()
-        # A promoted standby's record says "parked" until it reports again: not news. (A
-        # cold attempt's record is new: its time, maybe another host's clock, is not asked.)
-        fresh = progress is not None and (
-            attempt.promoted_at is None or progress.t >= start or last is not None
-        )
-        if fresh and (last is None or (progress.phase, progress.step) != (last.phase, last.step)):
+        if fresh(progress) and (
+            last is None or (progress.phase, progress.step) != (last.phase, last.step)
+        ):
             if last is None or progress.phase != last.phase:
                 attempt.track()
             last, last_change = progress, now
@@ -353,7 +358,9 @@ def watch(
             attempt.end(timeouts.grace_s, preempt=True)
             return attempt.poll() or -9, True, last
         time.sleep(POLL_S)
-    final = attempt.progress()  # the last steps may have landed since the last look
-    if final is not None and last is not None and final.t >= last.t:
+    # The last steps may have landed since the last look; an attempt that ended before the
+    # first look at all (a fast failure under load) is known only from this read.
+    final = attempt.progress()
+    if fresh(final) and (last is None or final.t >= last.t):
         last = final
     return code, False, last

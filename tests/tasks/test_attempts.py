@@ -638,3 +638,34 @@ def test_next_attempt_continues_numbering(tmp_path: Path) -> None:
     env_attempts = {e.attempt for e in read_events(config.layout)}
     assert env_attempts == {0, 1}
     assert os.path.exists(tmp_path / "store" / "jobs" / config.job_id / "fake_ckpt.txt")
+
+
+class _EndedAttempt:
+    """An attempt that had ended before ``watch`` first looked: its exit and its progress
+    record are all there is (a fast failure on a loaded host). ``promoted_at`` set: a
+    standby promoted at ``promoted_at``, whose record before it is the parked one."""
+
+    def __init__(self, progress: Progress | None, promoted_at: float | None = None) -> None:
+        self._progress, self.promoted_at, self.spawned = progress, promoted_at, 0.0
+        self.log = logging.getLogger("test-watch")
+
+    def poll(self) -> int:
+        return ExitCode.CRASH
+
+    def progress(self) -> Progress | None:
+        return self._progress
+
+    def track(self) -> None:
+        pass
+
+
+def test_an_attempt_that_ended_before_the_first_look_reports_its_last_step() -> None:
+    now = time.time()
+    record = Progress(Phase.TRAINING, 7, 20, now, now - 1.0)
+    timeouts = Timeouts(hang_s=60, startup_s=60, grace_s=1)
+    code, hung, last = watch(_EndedAttempt(record), timeouts)  # type: ignore[arg-type]
+    assert (code, hung, last) == (ExitCode.CRASH, False, record)
+    # A promoted standby's record from before its promotion is its parked one: no step.
+    parked = Progress(Phase.INIT, 0, 20, now - 5.0, now - 9.0)
+    _, _, last = watch(_EndedAttempt(parked, promoted_at=now), timeouts)  # type: ignore[arg-type]
+    assert last is None
