@@ -211,15 +211,20 @@ def train_step(
     batch: Batch,
     device: torch.device,
     track: Callable[..., None] | None = None,
+    before_update: Callable[[], object] | None = None,
 ) -> float:
     """One forward/backward/update; sparse tables are updated inside backward (fused).
-    ``track`` is told the step's KeyedJaggedTensors: the rows the update touches."""
+    ``track`` is told the step's KeyedJaggedTensors: the rows the update touches;
+    ``before_update`` is called between forward and backward, the last moment the state is
+    still the previous step's (a checkpoint's copy of it may run until then)."""
     batch = batch.to(device, non_blocking=True)
     sparse, history = batch_to_kjts(batch)
     if track is not None:
         track(sparse, history)
     logits = model(batch.dense, sparse, history)
     loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+    if before_update is not None:
+        before_update()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
@@ -264,7 +269,14 @@ def train(
                 with ledger.span(Span.TRAIN_STEP, step=step) as attrs:
                     batch = pending if pending is not None else next(batches)
                     pending = None
-                    loss = train_step(model, optimizer, batch, env.device, checkpointer.track)
+                    loss = train_step(
+                        model,
+                        optimizer,
+                        batch,
+                        env.device,
+                        checkpointer.track,
+                        checkpointer.wait_until_staged,  # the copy of the state, if any
+                    )
                     attrs["loss"] = round(loss, 6)
                     attrs["rows_digest"] = batch.row_digest()  # the ranks' sum: the global batch's
                     attrs["flops"] = model_flops.of_batch(batch.history_offsets)

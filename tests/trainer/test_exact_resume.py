@@ -142,6 +142,13 @@ def test_in_memory_copies_restore_a_crash_and_a_kill_mid_copy_bit_identical(
         (0, 8, "in_process", "memory"),
         (1, 12, "promoted", "memory"),
     ]
+    # Each copy ran through the next step's forward, and the loop waited for it before
+    # backward: none was made while the state changed (a copy taken across backward is).
+    events = read_events(faulted.layout)
+    copies = [e for e in events if e.name == Mark.MEMORY_COPY]
+    assert copies and [e.attrs["error"] for e in copies if "error" in e.attrs] == []
+    waits = [e for e in events if e.name == Span.MEMORY_COPY_BLOCKING]
+    assert {e.attrs.get("phase") for e in waits} == {None, "staging"}
     assert memory_tier.job_segments(faulted.layout) == []
 
 

@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,21 +54,81 @@ from trainer.checkpoint.interval import FailureHistory
 from trainer.checkpoint.memory_tier import MemoryTier, PendingCopy, Written, memory_tier_of
 from trainer.checkpoint.resume import Resume, restore_states
 from trainer.checkpoint.schedule import SaveSchedule
-from trainer.checkpoint.staging import ShardedStateStager, Staging, local_tensors
+from trainer.checkpoint.staging import (
+    ShardedStateStager,
+    Staging,
+    StateChanged,
+    VersionGuard,
+    local_tensors,
+)
 from trainer.checkpoint.state import CheckpointStates, Stateful
 from trainer.consensus import Agreed
 
 log = logging.getLogger(__name__)
 
 
+class BackgroundCopy:
+    """An in-memory copy of host tensors, made on a thread of its own while the loop runs
+    the next step's forward. ``copied`` completes once every byte is in the slot; then
+    ``release`` tells the thread whether the copy is whole (the live tensors did not change
+    meanwhile): it digests the slot and writes its header, or gives the slot up."""
+
+    def __init__(
+        self,
+        begin: Callable[[], PendingCopy | None],
+        record: Callable[[Callable[[], Written]], None],
+        name: str,
+    ) -> None:
+        self.copied: Future[PendingCopy | None] = Future()
+        self._verdict = threading.Event()
+        self._changed: StateChanged | None = None
+        self.thread = threading.Thread(
+            target=self._run, args=(begin, record), name=name, daemon=True
+        )
+
+    def _run(
+        self,
+        begin: Callable[[], PendingCopy | None],
+        record: Callable[[Callable[[], Written]], None],
+    ) -> None:
+        try:
+            pending = begin()
+        except BaseException as exc:  # noqa: BLE001 - recorded as a failed copy
+            failure = exc
+            self.copied.set_exception(failure)
+            record(lambda: _raise(failure))
+            return
+        self.copied.set_result(pending)
+        if pending is None:
+            return
+        self._verdict.wait()
+        changed = self._changed
+        if changed is not None:
+            pending.abandon()  # headerless: never loaded
+            record(lambda: _raise(changed))
+        else:
+            record(pending.finish)
+
+    def release(self, changed: StateChanged | None) -> None:
+        self._changed = changed
+        self._verdict.set()
+
+
+def _raise(exc: BaseException) -> Written:
+    raise exc
+
+
 @dataclass
 class InFlight:
     step: int
     anchor: bool
-    staging: Staging | None  # async_staged: the copy, until it is known complete
+    # The copy of the live state, until it is known complete (async_staged, in-memory).
+    staging: Staging | BackgroundCopy | None
     thread: threading.Thread  # finishes and commits it; async_staged: started once copied
     error: list[BaseException]
     tier: CheckpointTier = CheckpointTier.DURABLE  # MEMORY: an in-memory copy only
+    guard: VersionGuard | None = None  # a host copy made while the loop runs on
+    changed: StateChanged | None = None  # the guard found the state changed: not written
 
 
 class Checkpointer:
@@ -96,6 +156,10 @@ class Checkpointer:
         self._inflight: InFlight | None = None
         self.abandoned: threading.Thread | None = None  # past the preemption budget
         self._step_began = 0.0  # the loop's current step, for its duration
+        self._waited_in_step = 0.0  # ...less the wait for a copy inside it
+        # Copies of host tensors run through the next step's forward unless the state holds
+        # what a forward changes (``register``) or the guard saw it change (``_release``).
+        self.copy_during_forward = True
         self._committing: CheckpointTier | None = None  # ...and what was running as it began
 
     @property
@@ -121,6 +185,14 @@ class Checkpointer:
         (feature -> table name, rows: delta.embedding_tables) lets durable commits write
         only touched rows, when ``checkpoint.incremental`` is on."""
         self.states = CheckpointStates(states)
+        buffers = self.states.buffers()
+        if buffers:
+            self.copy_during_forward = False
+            log.info(
+                "checkpoint copies complete before the next step: the model's state has "
+                "buffers a forward may change (%s)",
+                ", ".join(buffers[:3]) + (", ..." if len(buffers) > 3 else ""),
+            )
         self.commits.plan = dict(plan or {})
         if self.config.checkpoint.incremental.enabled and tables:
             self.incremental = Incremental(
@@ -179,10 +251,12 @@ class Checkpointer:
     def maybe_save(self, step: int, agreed: Agreed) -> None:
         """At the step boundary after ``step``, with what every rank ``agreed`` on: save
         when the schedule says so (by step count and at eval steps on every rank alike, by
-        the clock once every rank agreed to rank 0's flag), then wait for the staging copy
-        before the weights change, and start timing the next step. Ranks that agreed to stop
-        take no clock-chosen save and do not wait: the save on SIGTERM follows, at this
-        step, and waits for everything within its budget."""
+        the clock once every rank agreed to rank 0's flag), and start timing the next step.
+        The copy of the state runs on through the next step's forward: the loop calls
+        ``wait_until_staged`` before backward (here instead, when the copy must complete
+        first: see ``copy_during_forward``). Ranks that agreed to stop take no clock-chosen
+        save and do not wait: the save on SIGTERM follows, at this step, and waits for
+        everything within its budget."""
         schedule = self._started()
         if schedule.due(step, agreed.checkpoint and not agreed.preempt):
             began = time.perf_counter()
@@ -194,19 +268,24 @@ class Checkpointer:
                 schedule.copied(step, time.perf_counter() - began)
         if agreed.preempt:
             return
-        began = time.perf_counter()
-        waited = self.wait_until_staged()
-        if waited is not None:
-            policy = schedule.memory if waited == CheckpointTier.MEMORY else schedule.interval
-            policy.staged(time.perf_counter() - began)
+        if not self._copy_may_overlap():
+            self.wait_until_staged()
         # A commit that ends during the step still slowed it: asked before, and after.
         self._committing = self._running_tier()
+        self._waited_in_step = 0.0
         self._step_began = time.perf_counter()
 
+    def _copy_may_overlap(self) -> bool:
+        inflight = self._inflight
+        if inflight is None or inflight.staging is None or inflight.guard is None:
+            return True  # nothing copying, or a device copy (ordered on the device)
+        return self.copy_during_forward and inflight.guard.sound
+
     def step_done(self) -> None:
-        """The step since ``maybe_save`` ran to its end: its time tells what a commit (or an
-        in-memory copy) that overlapped it cost."""
-        duration = time.perf_counter() - self._step_began
+        """The step since ``maybe_save`` ran to its end: its time (less any wait for a copy
+        in it, which is blocking) tells what a commit (or an in-memory copy) that
+        overlapped it cost."""
+        duration = time.perf_counter() - self._step_began - self._waited_in_step
         running = {self._committing, self._running_tier()} - {None}
         schedule = self._started()
         for tier, policy in (
@@ -265,9 +344,12 @@ class Checkpointer:
                 attrs["kind"] = plan.link.kind
             error: list[BaseException] = []
             if mode == CheckpointMode.ASYNC_STAGED:
+                guard = None if torch.cuda.is_available() else VersionGuard(local_tensors(state))
                 staging = self._get_stager().begin(state)
 
                 def write_staged() -> None:
+                    if inflight.changed is not None:
+                        raise inflight.changed
                     if rows is None:  # a delta's staged state lacks the tables
                         # the in-memory tier first
                         self._write_copy(step, staging, {"step": step, **extra})
@@ -276,7 +358,8 @@ class Checkpointer:
                     dcp.save(staging.state_dict(), storage_writer=writer, process_group=self.pg)
 
                 thread = self._commit_thread(step, anchor, nonce, error, write_staged)
-                self._inflight = InFlight(step, anchor, staging, thread, error)
+                inflight = InFlight(step, anchor, staging, thread, error, guard=guard)
+                self._inflight = inflight
                 return  # the thread starts in wait_until_staged, once the copy is done
             try:
                 commits.refuse_if_committed(step)
@@ -306,10 +389,11 @@ class Checkpointer:
         checkpoint or the previous copy is still in flight: the next step boundary asks
         again.
 
-        With the state in host memory the loop copies its bytes straight into the slot
-        (one memory copy, no staging buffer, no serialization) and a thread of its own
-        digests them and writes the header. With the state on a GPU the copy is staged as a
-        checkpoint is (off the loop, on the side stream) and the thread writes the slot."""
+        With the state in host memory a thread of its own copies its bytes straight into
+        the slot (one memory copy, no staging buffer, no serialization) while the loop runs
+        the next step's forward, then digests them and writes the header once the loop
+        found them whole (``wait_until_staged``). With the state on a GPU the copy is
+        staged as a checkpoint is (on the side stream) and the thread writes the slot."""
         states = self.registered(f"in-memory copy at step {step}")
         memory = self.memory
         if memory is None:
@@ -325,25 +409,32 @@ class Checkpointer:
             state, extra = states.read()
             extra = {"step": step, **extra}
             if torch.cuda.is_available():
-                staging: Staging | None = self._get_stager().begin(state)
-                target, args = self._write_copy, (step, staging, extra)
-            else:
-                staging = None
-                pending = memory.begin(
+                staging = self._get_stager().begin(state)
+                thread = threading.Thread(
+                    target=self._write_copy,
+                    args=(step, staging, extra),
+                    name=f"ckpt-memory-{step}",
+                    daemon=True,
+                )
+                self._inflight = InFlight(step, False, staging, thread, [], CheckpointTier.MEMORY)
+                return True  # its thread starts once the copy is done
+            tensors = local_tensors(state)
+            guard = VersionGuard(tensors)  # read before the thread may begin the copy
+            background = BackgroundCopy(
+                lambda: memory.begin(
                     step,
-                    local_tensors(state),
+                    tensors,
                     extra,
                     midway=lambda: self.on_phase(CheckpointPhase.MEMORY_MIDWAY, step),
-                )
-                if pending is None:
-                    return False
-                target, args = self._finish_copy, (step, pending)
-            thread = threading.Thread(
-                target=target, args=args, name=f"ckpt-memory-{step}", daemon=True
+                    wait=True,
+                ),
+                lambda write: self._record_copy(step, write),
+                name=f"ckpt-memory-{step}",
             )
-            self._inflight = InFlight(step, False, staging, thread, [], CheckpointTier.MEMORY)
-            if staging is None:
-                thread.start()  # a staged copy's thread starts once the copy is done
+            self._inflight = InFlight(
+                step, False, background, background.thread, [], CheckpointTier.MEMORY, guard
+            )
+            background.thread.start()
         return True
 
     def _write_copy(self, step: int, staging: Staging, extra: dict[str, Any]) -> None:
@@ -360,10 +451,6 @@ class Checkpointer:
                 midway=lambda: self.on_phase(CheckpointPhase.MEMORY_MIDWAY, step),
             ),
         )
-
-    def _finish_copy(self, step: int, pending: PendingCopy) -> None:
-        """Digest the copy the loop wrote and make it valid."""
-        self._record_copy(step, pending.finish)
 
     def _record_copy(self, step: int, write: Callable[[], Written]) -> None:
         """Its ``memory_copy`` mark; a failure is logged and marked, never raised (a lost
@@ -416,26 +503,48 @@ class Checkpointer:
 
     # -- the checkpoint in flight -----------------------------------------------------------
     def _release_staged(self, inflight: InFlight) -> None:
-        """Once the staging copy is done, start the writer thread (a failed copy included:
-        the thread reports it as a failed checkpoint)."""
-        if inflight.staging is None:
+        """Once the staging copy is done, let the writer go on (a failed copy included: the
+        thread reports it as a failed checkpoint). A host copy whose tensors changed while
+        it was made is not a state the job was ever in: its writer fails it, and the next
+        copies complete before the loop goes on."""
+        staging = inflight.staging
+        if staging is None:
             return
-        wait([inflight.staging.copied])
+        wait([staging.copied])
         inflight.staging = None
+        changed = inflight.guard.changed() if inflight.guard is not None else 0
+        if changed:
+            inflight.changed = StateChanged(
+                f"{changed} tensor(s) of the state changed in place while the copy of step "
+                f"{inflight.step} was made (during the next step's forward): not written"
+            )
+            if self.copy_during_forward:
+                self.copy_during_forward = False
+                log.warning("%s; copies now complete before the next step", inflight.changed)
+        if isinstance(staging, BackgroundCopy):
+            staging.release(inflight.changed)
+            return
         if inflight.tier == CheckpointTier.DURABLE:
             self.on_phase(CheckpointPhase.STAGED, inflight.step)
         inflight.thread.start()
 
     def wait_until_staged(self) -> CheckpointTier | None:
-        """Before the weights change again (next step), the staging copy must be complete.
-        Returns the tier of the copy waited for, None when there was none."""
+        """Before the weights change again (the loop calls it before backward), the copy of
+        the state must be complete; the wait counts in the copy's blocking time. Returns
+        the tier of the copy waited for, None when there was none."""
         inflight = self._inflight
         if inflight is None or inflight.staging is None:
             return None
         memory = inflight.tier == CheckpointTier.MEMORY
         span = Span.MEMORY_COPY_BLOCKING if memory else Span.CHECKPOINT_BLOCKING
+        began = time.perf_counter()
         with self.ledger.span(span, step=inflight.step, phase="staging"):
             self._release_staged(inflight)
+        waited = time.perf_counter() - began
+        self._waited_in_step += waited
+        if self.schedule is not None:
+            schedule = self.schedule
+            (schedule.memory if memory else schedule.interval).staged(waited)
         return inflight.tier
 
     def _running_tier(self) -> CheckpointTier | None:

@@ -111,6 +111,40 @@ def _leaves(tree: Any, path: tuple = ()) -> list[tuple[tuple, torch.Tensor]]:
     return []
 
 
+class StateChanged(RuntimeError):
+    """A copy of the live state that the loop changed while it was being made: not a state
+    the job was ever in, so it is never written."""
+
+
+class VersionGuard:
+    """What a copy made while the loop runs on must not see: a change of the tensors it
+    reads. A host copy of the live state runs on its own thread through the next step's
+    forward (the loop waits for it only before backward, when the weights change); it is a
+    consistent state only if no tensor it reads was changed in place meanwhile, as a model
+    whose forward updates its own state (BatchNorm's running statistics) does. Every
+    in-place change of a tensor bumps its version counter: the guard keeps the counters of
+    the host tensors as the copy began. Device tensors need no guard: their copy is ordered
+    on the device before any later kernel (``SideStreamCopy``).
+
+    ``sound`` is False when a tensor has no counter (an inference tensor): such a copy must
+    complete before the loop goes on."""
+
+    def __init__(self, tree: Any) -> None:
+        self._seen: list[tuple[torch.Tensor, int]] = []
+        self.sound = True
+        for _, tensor in _leaves(tree):
+            if tensor.device.type != "cpu":
+                continue
+            try:
+                self._seen.append((tensor, tensor._version))
+            except RuntimeError:  # an inference tensor keeps no version counter
+                self.sound = False
+
+    def changed(self) -> int:
+        """How many of the guarded tensors were changed in place since the copy began."""
+        return sum(1 for tensor, version in self._seen if tensor._version != version)
+
+
 def _replace(tree: Any, staged: dict[tuple, torch.Tensor], path: tuple = ()) -> Any:
     """The tree with each tensor leaf replaced by its staged copy."""
     if isinstance(tree, torch.Tensor):

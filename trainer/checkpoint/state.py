@@ -132,6 +132,20 @@ class CheckpointStates:
         tensors = {key: part.state_dict() for key, part in self.tensors.items()}
         return tensors, {key: part.state_dict() for key, part in self.rank.items()}
 
+    def buffers(self) -> list[str]:
+        """The persistent buffers of the registered modules: state that a forward pass may
+        change (BatchNorm's running statistics), unlike parameters and optimizer state,
+        which change only in backward and the optimizer's step."""
+        found = []
+        for key, part in self.tensors.items():
+            if not isinstance(part, torch.nn.Module):
+                continue
+            for prefix, module in part.named_modules():
+                for name in module._buffers:
+                    if name not in module._non_persistent_buffers_set:
+                        found.append(f"{key}.{prefix}.{name}" if prefix else f"{key}.{name}")
+        return found
+
     def load_target(self) -> dict[str, Any]:
         """The tensor state for DCP to fill in place (``load`` then hands it back)."""
         for part in self.tensors.values():

@@ -186,6 +186,36 @@ def test_a_failed_staging_copy_fails_that_checkpoint_not_training(
     assert [m.step for m in marks] == [2] and "staging buffer" in marks[0].attrs["error"]
 
 
+def test_a_staged_checkpoint_whose_state_the_forward_changed_fails_and_is_never_committed(
+    tmp_path, group: dist.ProcessGroup
+) -> None:
+    """The staging copy runs through the next step's forward (the loop waits for it before
+    backward). A forward that changes the state in place meanwhile makes the copy a state
+    the job was never in: that checkpoint fails, the one before stays the latest, and the
+    copies complete before the next step from then on."""
+    config = _config(tmp_path, "async_staged")
+    storage.configure(config.storage)
+    ledger = Ledger(JobLayout.at(f"file://{tmp_path}/ledger"))
+    ckpt = Checkpointer(config, rank=0, world_size=1, ledger=ledger, process_group=group)
+    state = _state(group, 1.0)
+    _register(ckpt, state)
+    try:
+        ckpt.save(1)
+        ckpt.wait_for_inflight()
+        ckpt.save(2)
+        state["model"]["dense.weight"].add_(0.5)  # a forward that updates its own state
+        ckpt.wait_until_staged()  # does not raise: the loop goes on
+        ckpt.wait_for_inflight()
+        assert not ckpt.copy_during_forward
+    finally:
+        ckpt.close()
+        ledger.close()
+    assert ckpt.failed_steps == [2]
+    assert [c.step for c in committed_checkpoints(config.layout)] == [1]
+    [(step, error)] = _failed_marks(tmp_path)
+    assert step == 2 and "changed in place while the copy of step 2 was made" in error
+
+
 def test_a_committed_step_is_not_written_again(tmp_path, group: dist.ProcessGroup) -> None:
     config = _config(tmp_path, "sync")
     storage.configure(config.storage)

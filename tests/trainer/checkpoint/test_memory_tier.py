@@ -354,10 +354,21 @@ def _config(tmp_path: Path, memory: dict[str, Any] | bool) -> JobConfig:
     )
 
 
-def _train(ckpt: Checkpointer, part: Part, position: Position, steps: range) -> None:
-    """The loop as the checkpointer sees it: a boundary, then a step that moves the state."""
+def _train(
+    ckpt: Checkpointer,
+    part: Part,
+    position: Position,
+    steps: range,
+    forward_changes: frozenset[int] = frozenset(),
+) -> None:
+    """The loop as the checkpointer sees it: a boundary, a forward (which, at the steps in
+    ``forward_changes``, changes the state in place as a BatchNorm's would), the wait for
+    the copy before backward, then the update that moves the state."""
     for step in steps:
         ckpt.maybe_save(step - 1, Agreed())
+        if step in forward_changes:
+            part.value["w"].add_(0.5)
+        ckpt.wait_until_staged()
         part.value["w"].fill_(float(step))
         position.at = step
         ckpt.step_done()
@@ -388,7 +399,7 @@ def test_an_in_process_restore_takes_the_newest_in_memory_copy(tmp_path, group) 
         ckpt.close()
         ckpt.drop_memory_tier()
     events = read_events(config.layout)
-    copies = [e.step for e in events if e.name == Mark.MEMORY_COPY]
+    copies = [e.step for e in events if e.name == Mark.MEMORY_COPY and "error" not in e.attrs]
     assert copies == [2, 4, 5, 6, 8]
     assert {e.step for e in events if e.name == Span.MEMORY_COPY_BLOCKING} == {2, 4, 6, 8}
     [mark] = [e for e in events if e.name == Mark.RESUME]
@@ -412,6 +423,73 @@ def test_a_copy_older_than_the_newest_durable_commit_is_ignored(tmp_path, group,
         assert (resume.step, resume.tier) == (7, CheckpointTier.DURABLE)
         assert "older than the newest durable commit" in caplog.text
         assert ckpt.memory.copies() == []  # never considered again
+    finally:
+        ckpt.close()
+        ckpt.drop_memory_tier()
+
+
+def test_a_copy_whose_state_the_forward_changed_is_never_written(tmp_path, group, caplog) -> None:
+    """The copy runs through the next step's forward; a forward that changes the state in
+    place (here step 5's, during the copy of step 4) makes that copy a state the job was
+    never in: it is not written, the restore takes the copy before it, and from then on the
+    copies complete before the step goes on (so the next ones are whole again)."""
+    config = _config(tmp_path, {"every_steps": 2})
+    ckpt, part, position = _checkpointer(tmp_path, config, group)
+    try:
+        ckpt.start(0, FailureHistory())
+        assert ckpt.copy_during_forward
+        _train(ckpt, part, position, range(1, 5))  # a whole copy of step 2
+        with caplog.at_level(logging.WARNING):
+            _train(ckpt, part, position, range(5, 6), forward_changes=frozenset({5}))
+        assert "changed in place while the copy of step 4 was made" in caplog.text
+        assert not ckpt.copy_during_forward
+        resume = ckpt.restore(ResumeHow.IN_PROCESS)
+        assert (resume.step, resume.tier) == (2, CheckpointTier.MEMORY)
+        assert torch.equal(part.value["w"], torch.full((8,), 2.0)) and position.at == 2
+        # Now the copy of step 4 completes at the boundary: step 5's forward comes after.
+        _train(ckpt, part, position, range(3, 6), forward_changes=frozenset({5}))
+        resume = ckpt.restore(ResumeHow.IN_PROCESS)
+        assert (resume.step, resume.tier) == (4, CheckpointTier.MEMORY)
+        assert torch.equal(part.value["w"], torch.full((8,), 4.0)) and position.at == 4
+    finally:
+        ckpt.close()
+        ckpt.drop_memory_tier()
+    marks = [e for e in read_events(config.layout) if e.name == Mark.MEMORY_COPY]
+    assert [(e.step, "error" in e.attrs) for e in marks] == [(2, False), (4, True), (4, False)]
+    assert marks[1].attrs["error"].startswith("StateChanged: 1 tensor(s)")
+    assert segments.job_segments(config.layout) == []
+
+
+class WithBuffer(torch.nn.Module):
+    """A model with a persistent buffer, which its forward may change (BatchNorm's kind)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
+
+def test_a_model_with_buffers_completes_its_copies_before_the_next_step(
+    tmp_path, group, caplog
+) -> None:
+    config = _config(tmp_path, {"every_steps": 2})
+    ckpt = Checkpointer(config, 0, 1, Ledger(config.layout, rank=0), group)
+    model = WithBuffer()
+    try:
+        with caplog.at_level(logging.INFO):
+            ckpt.register({"model": model})
+        assert not ckpt.copy_during_forward
+        assert "model.norm.running_mean" in caplog.text
+        ckpt.start(0, FailureHistory())
+        ckpt.maybe_save(2, Agreed())  # copies step 2, and waits for it here
+        assert ckpt.inflight is not None and ckpt.inflight.staging is None
+        model(torch.randn(3, 4))  # the next forward moves the running statistics
+        ckpt.wait_for_inflight()
+        [copy] = ckpt.memory.copies()
+        saved, _ = ckpt.memory.load(copy)
+        assert torch.equal(saved["model"]["norm.running_mean"], torch.zeros(4))
     finally:
         ckpt.close()
         ckpt.drop_memory_tier()
