@@ -12,8 +12,8 @@ process that wrote it)::
 different storage roots never share a segment. A slot is a page of header, then the meta
 JSON (this rank's data position, the job's URL, the layout of the tensors), then the
 tensors' raw bytes. The header says which copy it holds (sequence number, step, rank, world
-size), whose it is (job key, model-config hash) and the BLAKE2b digest of everything after
-it; it ends with a CRC of itself, so a header torn by a killed writer is never read as valid.
+size), whose it is (job key, model-config hash) and the digest (a CRC-32) of everything
+after it; it ends with a CRC of itself, so a header torn by a killed writer is never read as valid.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from infra.job_layout import JobLayout
 
 SHM_DIR = "/dev/shm"
 PREFIX = "ett-mem-"
-MAGIC = b"ETTMEM02"  # 02: raw tensor bytes (01 held a torch.save payload)
+MAGIC = b"ETTMEM03"  # 03: a CRC-32 digest (02: BLAKE2b; 01 held a torch.save payload)
 HEADER_BYTES = 4096  # one page: the meta and the tensors start page-aligned
 # magic, seq, step, rank, world size, meta bytes, payload bytes, digest, config hash,
 # job key, written at (Unix s); then the CRC-32 of all of that.

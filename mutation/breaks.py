@@ -724,6 +724,32 @@ BREAKS = (
         ),
         NODE_CAPACITY_TESTS,
     ),
+    Break(
+        "B79",
+        "a copy whose tensors changed in place while it was made is written (a torn state)",
+        "trainer/checkpoint/checkpointer.py",
+        (
+            (
+                "        changed = inflight.guard.changed() if inflight.guard is not None else 0\n",
+                "        changed = 0\n",
+            ),
+        ),
+        (*MEMORY_TIER_TESTS, "tests/trainer/checkpoint/test_checkpointer.py"),
+    ),
+    Break(
+        "B80",
+        "a model with buffers (BatchNorm) copies its state while the forward changes them",
+        "trainer/checkpoint/checkpointer.py",
+        (("        if buffers:\n", "        if False:\n"),),
+        MEMORY_TIER_TESTS,
+    ),
+    Break(
+        "B81",
+        "the step no longer waits for the copy before backward (copies span the update)",
+        "trainer/train.py",
+        (("        before_update()\n", "        pass\n"),),
+        ("tests/trainer/test_train_step.py",),
+    ),
 )
 
 

@@ -62,6 +62,7 @@ from trainer.checkpoint.staging import (
     local_tensors,
 )
 from trainer.checkpoint.state import CheckpointStates, Stateful
+from trainer.checkpoint.worker import Job, Worker
 from trainer.consensus import Agreed
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class BackgroundCopy:
 
     def __init__(
         self,
+        worker: Worker,
         begin: Callable[[], PendingCopy | None],
         record: Callable[[Callable[[], Written]], None],
         name: str,
@@ -82,9 +84,7 @@ class BackgroundCopy:
         self.copied: Future[PendingCopy | None] = Future()
         self._verdict = threading.Event()
         self._changed: StateChanged | None = None
-        self.thread = threading.Thread(
-            target=self._run, args=(begin, record), name=name, daemon=True
-        )
+        self.thread = worker.job(lambda: self._run(begin, record), name)
 
     def _run(
         self,
@@ -124,7 +124,7 @@ class InFlight:
     anchor: bool
     # The copy of the live state, until it is known complete (async_staged, in-memory).
     staging: Staging | BackgroundCopy | None
-    thread: threading.Thread  # finishes and commits it; async_staged: started once copied
+    thread: Job  # finishes and commits it; async_staged: started once copied
     error: list[BaseException]
     tier: CheckpointTier = CheckpointTier.DURABLE  # MEMORY: an in-memory copy only
     guard: VersionGuard | None = None  # a host copy made while the loop runs on
@@ -154,7 +154,8 @@ class Checkpointer:
         self.schedule: SaveSchedule | None = None  # from ``start``: training has begun
         self._stager: ShardedStateStager | None = None
         self._inflight: InFlight | None = None
-        self.abandoned: threading.Thread | None = None  # past the preemption budget
+        self.abandoned: Job | threading.Thread | None = None  # past the preemption budget
+        self._worker = Worker(f"ckpt-worker-r{rank}")  # commits and copies, one at a time
         self._step_began = 0.0  # the loop's current step, for its duration
         self._waited_in_step = 0.0  # ...less the wait for a copy inside it
         # Copies of host tensors run through the next step's forward unless the state holds
@@ -410,17 +411,15 @@ class Checkpointer:
             extra = {"step": step, **extra}
             if torch.cuda.is_available():
                 staging = self._get_stager().begin(state)
-                thread = threading.Thread(
-                    target=self._write_copy,
-                    args=(step, staging, extra),
-                    name=f"ckpt-memory-{step}",
-                    daemon=True,
+                thread = self._worker.job(
+                    lambda: self._write_copy(step, staging, extra), f"ckpt-memory-{step}"
                 )
                 self._inflight = InFlight(step, False, staging, thread, [], CheckpointTier.MEMORY)
                 return True  # its thread starts once the copy is done
             tensors = local_tensors(state)
             guard = VersionGuard(tensors)  # read before the thread may begin the copy
             background = BackgroundCopy(
+                self._worker,
                 lambda: memory.begin(
                     step,
                     tensors,
@@ -476,12 +475,9 @@ class Checkpointer:
         nonce: str,
         error: list[BaseException],
         write: Callable[[], Any],
-    ) -> threading.Thread:
-        return threading.Thread(
-            target=self.commits.finish,
-            args=(step, anchor, nonce, error, write),
-            name=f"ckpt-commit-{step}",
-            daemon=True,
+    ) -> Job:
+        return self._worker.job(
+            lambda: self.commits.finish(step, anchor, nonce, error, write), f"ckpt-commit-{step}"
         )
 
     def save_anchor(self, step: int) -> bool:
@@ -578,17 +574,18 @@ class Checkpointer:
         self._inflight = None
         return time.perf_counter() - start
 
-    def abandon(self, thread: threading.Thread) -> None:
+    def abandon(self, thread: Job | threading.Thread) -> None:
         """A save past the preemption budget: never waited for again (the process exits)."""
         self.abandoned, self._inflight = thread, None
 
     def close(self) -> None:
-        """Wait for the in-flight checkpoint and release the stager's resources (a save
-        abandoned past the preemption budget is not waited for)."""
+        """Wait for the in-flight checkpoint and release the stager's resources and the
+        background thread (a save abandoned past the preemption budget is not waited for)."""
         try:
             if self.abandoned is None:
                 self.wait_for_inflight()
         finally:
+            self._worker.close()
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None

@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import mmap
 import os
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -83,11 +83,12 @@ class Written:
     path: str
 
 
-def _digest(*parts: bytes | memoryview) -> bytes:
-    h = hashlib.blake2b(digest_size=32)
-    for part in parts:
-        h.update(part)
-    return h.digest()
+def _digest(body: bytes | memoryview) -> bytes:
+    """The header's digest of a slot's body: its CRC-32, in the first 4 of the field's 32
+    bytes. It guards against a copy torn by its writer's death or overwritten meanwhile, not
+    against an adversary, and it runs beside the training steps: CRC-32 takes a fifth of
+    the time of BLAKE2b on the same bytes, on the cores the steps need."""
+    return zlib.crc32(body).to_bytes(4, "little").ljust(32, b"\0")
 
 
 def fill(target: Any, saved: Any) -> None:
