@@ -287,13 +287,11 @@ class Checkpointer:
         in it, which is blocking) tells what a commit (or an in-memory copy) that
         overlapped it cost."""
         duration = time.perf_counter() - self._step_began - self._waited_in_step
-        running = {self._committing, self._running_tier()} - {None}
+        running = (self._committing, self._running_tier())  # as the step began, and now
+        quiet = running == (None, None)
         schedule = self._started()
-        for tier, policy in (
-            (CheckpointTier.DURABLE, schedule.interval),
-            (CheckpointTier.MEMORY, schedule.memory),
-        ):
-            policy.step_done(duration, tier in running, quiet=not running)
+        schedule.interval.step_done(duration, CheckpointTier.DURABLE in running, quiet)
+        schedule.memory.step_done(duration, CheckpointTier.MEMORY in running, quiet)
 
     # -- saving -----------------------------------------------------------------------------
     def _get_stager(self) -> ShardedStateStager:

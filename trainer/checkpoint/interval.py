@@ -102,7 +102,8 @@ class IntervalPolicy:
         self._interference: deque[float] = deque(maxlen=_WINDOW)  # per checkpoint
         self._commit: deque[float] = deque(maxlen=_WINDOW)  # save -> committed
         self._quiet_steps: deque[float] = deque(maxlen=_WINDOW)  # no commit running
-        self._open: tuple[float, float] | None = None  # (save time, interference so far)
+        # (save time, the durations of the steps the commit overlapped so far)
+        self._open: tuple[float, list[float]] | None = None
         if not self.auto:
             self._mark(cost_s=None)
 
@@ -132,7 +133,7 @@ class IntervalPolicy:
         now = self.clock()
         self._last_save = now
         self._blocking.append(blocking_s)
-        self._open = (now, 0.0)
+        self._open = (now, [])
 
     def taken_elsewhere(self) -> None:
         """A copy of this tier came with the other tier's save (a durable save writes the
@@ -148,21 +149,25 @@ class IntervalPolicy:
     def step_done(self, duration_s: float, commit_running: bool, quiet: bool = True) -> None:
         """One training step took ``duration_s``; was a checkpoint of this tier committing
         during any part of it (at its start or at its end)? ``quiet``: nor one of the other
-        tier (only a quiet step is the baseline the overlap is measured against)."""
-        if not commit_running:
-            if quiet:
-                self._quiet_steps.append(duration_s)
-            if self._open is not None:  # the commit ended during the previous step
-                start, extra = self._open
-                self._open = None
-                self._commit.append(self.clock() - start)
-                self._interference.append(extra)
-                self._update()
+        tier (only a quiet step is the baseline the overlap is measured against). Called
+        every step, on the loop's time: the overlap is summed once the commit has ended (the
+        baseline cannot move meanwhile, as no step is quiet while a commit runs)."""
+        if commit_running:
+            if self._open is not None:
+                self._open[1].append(duration_s)
             return
-        if self._open is not None and self._quiet_steps:
-            start, extra = self._open
-            baseline = statistics.median(self._quiet_steps)
-            self._open = (start, extra + max(duration_s - baseline, 0.0))
+        if quiet:
+            self._quiet_steps.append(duration_s)
+        if self._open is not None:  # the commit ended during the previous step
+            start, overlapped = self._open
+            self._open = None
+            self._commit.append(self.clock() - start)
+            extra = 0.0
+            if self._quiet_steps:
+                baseline = statistics.median(self._quiet_steps)
+                extra = sum(max(d - baseline, 0.0) for d in overlapped)
+            self._interference.append(extra)
+            self._update()
 
     def failures_seen(self, history: FailureHistory) -> None:
         """The orchestrator's latest count (a promoted standby learns it late)."""
