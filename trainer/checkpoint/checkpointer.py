@@ -9,10 +9,11 @@ what they cost (interval.py) and restores into the same states (``restore``, res
 Modes (``checkpoint.mode``) decide how long the loop blocks:
   sync          dcp.save: the loop waits for the whole write (the baseline).
   async         dcp.async_save with synchronous staging: waits for the copy, not the write.
-  async_staged  the state is copied to host memory in the background (staging.py); the loop
-                waits for the copy only before the next step changes the weights; then
-                dcp.save writes the staged copy on a commit thread (see ``save`` for why
-                not dcp.async_save).
+  async_staged  the state is copied to host memory in the background (staging.py) through
+                the next step's forward; the loop waits for the copy only before that
+                step's backward (``wait_until_staged``, guarded: ``_release_staged``); then
+                dcp.save writes the staged copy on the checkpointer's background thread
+                (worker.py; see ``save`` for why not dcp.async_save).
 
 At most one checkpoint is in flight: a new save first waits for the previous one. Every
 save reads the registered state inside its blocking span, so building the state dicts is
@@ -69,7 +70,7 @@ log = logging.getLogger(__name__)
 
 
 class BackgroundCopy:
-    """An in-memory copy of host tensors, made on a thread of its own while the loop runs
+    """An in-memory copy of host tensors, made on the background thread while the loop runs
     the next step's forward. ``copied`` completes once every byte is in the slot; then
     ``release`` tells the thread whether the copy is whole (the live tensors did not change
     meanwhile): it digests the slot and writes its header, or gives the slot up."""
@@ -320,11 +321,11 @@ class Checkpointer:
         synchronous save that has committed when this returns.
 
         ``async_staged`` starts the copy first and returns: everything else (the JSON state,
-        the DCP plan and write, the upload) runs on a writer thread started once the copy is
+        the DCP plan and write, the upload) runs on the background thread once the copy is
         done (``wait_until_staged``). On a small CPU host, anything started while the copy
         runs competes with it for the cores: a thread started mid-copy took ~3 ms to get
-        scheduled, a third of a 64 MB copy. That is why this path calls ``dcp.save`` on its
-        own thread instead of ``dcp.async_save``, which starts its thread mid-copy.
+        scheduled, a third of a 64 MB copy. That is why this path calls ``dcp.save`` on that
+        thread instead of ``dcp.async_save``, which starts its thread mid-copy.
         """
         states = self.registered(f"checkpoint at step {step}")
         mode = CheckpointMode.SYNC if anchor or blocking else self.config.checkpoint.mode
@@ -388,7 +389,7 @@ class Checkpointer:
         checkpoint or the previous copy is still in flight: the next step boundary asks
         again.
 
-        With the state in host memory a thread of its own copies its bytes straight into
+        With the state in host memory the background thread copies its bytes straight into
         the slot (one memory copy, no staging buffer, no serialization) while the loop runs
         the next step's forward, then digests them and writes the header once the loop
         found them whole (``wait_until_staged``). With the state on a GPU the copy is

@@ -17,7 +17,8 @@ Two copy engines:
   - ``ordered`` (the state does not fit twice): the host copies read the live weights on
     the side stream, and the compute stream waits for them (an event, not the host)
     before its next kernel: no extra device memory, no overlap with the next step.
-  Whoever writes the checkpoint (the commit thread) waits on the copies' event.
+  Whoever writes the checkpoint (the checkpointer's background thread) waits on the
+  copies' event.
 * Otherwise, DCP's ``DefaultStager`` (reusable CPU buffers, its own thread; on a GPU
   without async staging, pinned memory and non-blocking copies): the reference that
   ``benchmarks/bench_staging.py`` measures the side stream against.

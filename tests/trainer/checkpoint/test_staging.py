@@ -22,7 +22,7 @@ from torch.distributed._shard.sharded_tensor import (
 )
 from torch.distributed.checkpoint.staging import StagingOptions
 
-from trainer.checkpoint.staging import ShardedStateStager, SideStreamCopy
+from trainer.checkpoint.staging import ShardedStateStager, SideStreamCopy, VersionGuard
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -150,3 +150,22 @@ def test_cuda_snapshot_only_when_the_state_fits_in_free_memory() -> None:
     huge = torch.ones(1, device="cuda").expand(int(0.6 * free) // 4 + 1)  # no memory behind
     assert not copy._use_snapshot([huge])
     copy.close()
+
+
+def test_the_version_guard_counts_exactly_the_tensors_changed_in_place() -> None:
+    """What a copy made during a forward relies on: every in-place change of a tensor it
+    reads is seen, a new tensor bound to the same name is not a change of the live state,
+    and a tensor without a version counter makes the guard unsound."""
+    weight, state = torch.zeros(4), torch.ones(2)
+    tree = {"model": {"w": weight.detach(), "nested": [state]}, "step": 3}
+    guard = VersionGuard(tree)
+    assert guard.sound and guard.changed() == 0
+    weight.add_(1.0)  # through another view of the same tensor
+    assert guard.changed() == 1
+    state.mul_(2.0)
+    assert guard.changed() == 2
+    tree["model"]["w"] = torch.full((4,), 9.0)  # rebinding changes no tensor the copy reads
+    assert guard.changed() == 2
+    with torch.inference_mode():
+        frozen = torch.zeros(2)
+    assert not VersionGuard({"t": frozen, "w": weight}).sound
