@@ -243,8 +243,9 @@ class Committer:
         write: Callable[[], Any] | None = None,
     ) -> None:
         """Finish the DCP write (``write``), upload, mark this rank done, commit (rank 0).
-        Runs on the checkpointer's background thread, except in sync mode. Never raises: a failed checkpoint is
-        logged and marked, and the previous committed one stays the latest."""
+        Runs on the checkpointer's background thread, except in sync mode. Never raises: a
+        failed checkpoint is logged and marked, and the previous committed one stays the
+        latest."""
         url = self.layout.checkpoint(step)
         local_dir = self._local_dir(step, create=False)
         try:
