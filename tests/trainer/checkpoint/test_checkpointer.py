@@ -194,9 +194,7 @@ def test_a_staged_checkpoint_whose_state_the_forward_changed_fails_and_is_never_
     the job was never in: that checkpoint fails, the one before stays the latest, and the
     copies complete before the next step from then on."""
     config = _config(tmp_path, "async_staged")
-    storage.configure(config.storage)
-    ledger = Ledger(JobLayout.at(f"file://{tmp_path}/ledger"))
-    ckpt = Checkpointer(config, rank=0, world_size=1, ledger=ledger, process_group=group)
+    ckpt, ledger = _checkpointer(tmp_path, config, group)
     state = _state(group, 1.0)
     _register(ckpt, state)
     try:
