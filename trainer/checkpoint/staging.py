@@ -121,11 +121,12 @@ class VersionGuard:
     """What a copy made while the loop runs on must not see: a change of the tensors it
     reads. A host copy of the live state runs on its own thread through the next step's
     forward (the loop waits for it only before backward, when the weights change); it is a
-    consistent state only if no tensor it reads was changed in place meanwhile, as a model
-    whose forward updates its own state (BatchNorm's running statistics) does. Every
-    in-place change of a tensor bumps its version counter: the guard keeps the counters of
-    the host tensors as the copy began. Device tensors need no guard: their copy is ordered
-    on the device before any later kernel (``SideStreamCopy``).
+    consistent state only if no tensor it reads was changed in place meanwhile. An in-place
+    op bumps its tensor's version counter: the guard keeps the counters of the host tensors
+    as the copy began. Not every kernel does (native BatchNorm updates its running
+    statistics without), which is why a model with buffers copies before its forward
+    (``CheckpointStates.buffers``): this guard is the second line. Device tensors need no
+    guard: their copy is ordered on the device before any later kernel (``SideStreamCopy``).
 
     ``sound`` is False when a tensor has no counter (an inference tensor): such a copy must
     complete before the loop goes on."""
