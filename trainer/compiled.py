@@ -32,6 +32,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,43 @@ def settle_vec_isa(known: bool | None) -> bool:
         known = bool(pick_vec_isa())
     inductor_config.cpp.vec_isa_ok = known
     return known
+
+
+def prime_compiler() -> None:
+    """Do the compiler's once-per-process work ahead of any job: the source hashes of its
+    cache keys, the C++ vector-ISA probe, and the lazy setup of Dynamo, AOTAutograd and
+    Inductor, by compiling a tiny function forward and backward.
+
+    For a parked agent (trainer/launch.py), whose forked ranks inherit it all: their compile
+    warm-up then only traces the model and loads its graphs. It runs on a thread of its own
+    because inductor's settings are per thread, so its one compile thread (no worker pool
+    to inherit across a fork) and its unsettled ISA check stay out of the caller's; and
+    with a fresh artifact record, so the tiny function never reaches a job's shared cache.
+    Best effort: a failure costs only the time it would have saved."""
+    from torch._dynamo import reset
+    from torch._inductor import config as inductor_config
+    from torch.compiler._cache import CacheArtifactManager
+
+    def run() -> None:
+        inductor_config.compile_threads = 1
+        with CacheArtifactManager.with_fresh_cache():
+            fn = torch.compile(lambda x: (x * 2.0).sum())
+            fn(torch.ones(4, requires_grad=True)).backward()
+
+    failed: list[BaseException] = []
+
+    def guarded() -> None:
+        try:
+            run()
+        except Exception as exc:  # noqa: BLE001 - reported below, never raised
+            failed.append(exc)
+
+    thread = threading.Thread(target=guarded, name="prime-compiler", daemon=True)
+    thread.start()
+    thread.join()
+    reset()  # the tiny function's graphs and counters: a rank starts with none
+    if failed:
+        log.warning("compiler not primed (the first compile will do it): %s", failed[0])
 
 
 def configure(job_id: str | None) -> None:

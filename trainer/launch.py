@@ -166,16 +166,19 @@ def run(argv: Sequence[str]) -> int:
 
 def _preimport() -> None:
     """What every launch of the trainer imports: torchrun's agent, the trainer (which its
-    forked ranks inherit) and the compiler the ranks' warm-up loads. CUDA is not touched,
-    so the ranks can still be forked."""
+    forked ranks inherit) and the compiler the ranks' warm-up loads, primed (its hashes,
+    ISA probe and lazy setup done once here, not in each job's warm-up). CUDA is not
+    touched, so the ranks can still be forked."""
     import torch._inductor.compile_fx  # noqa: F401 - the ranks' compile warm-up needs it
     import torch.distributed.launcher.api  # noqa: F401
     import torch.distributed.run  # noqa: F401
 
     import trainer.train  # noqa: F401
+    from trainer.compiled import prime_compiler
     from trainer.distributed import import_functional_optimizers_unscripted
 
     import_functional_optimizers_unscripted()
+    prime_compiler()
 
 
 def park(fd: int) -> int:

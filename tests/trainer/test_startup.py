@@ -277,3 +277,30 @@ def test_a_cuda_context_is_asked_of_the_driver_only_on_cuda(
     monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", probe, raising=False)
     assert has_cuda_context(torch.device("cpu")) is None and asked == []
     assert has_cuda_context(torch.device("cuda", 1)) is False and asked == [1]
+
+
+def test_priming_the_compiler_does_its_once_per_process_work_and_leaves_nothing_else(
+    monkeypatch,
+):
+    """A parked agent primes the compiler once for every rank it forks. What the ranks must
+    inherit: the cache keys' source hashes and the vector-ISA probe, done. What they must
+    not: the tiny function's artifacts (a job would save them into its shared cache), its
+    graphs, or its thread's settings (one compile thread, an unsettled ISA check)."""
+    from torch._inductor import codecache
+    from torch._inductor import config as inductor_config
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+    from torch.compiler._cache import CacheArtifactManager
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(INDUCTOR_DIR))
+    threads, isa_ok = inductor_config.compile_threads, inductor_config.cpp.vec_isa_ok
+    codecache.torch_key.clear()  # recomputed on demand: clearing only forgets
+    valid_vec_isa_list.cache_clear()
+    torch._dynamo.reset()
+    with CacheArtifactManager.with_fresh_cache():
+        compiled.prime_compiler()
+        assert torch.compiler.save_cache_artifacts() is None  # nothing recorded
+    assert valid_vec_isa_list.cache_info().currsize == 1  # probed
+    with pytest.raises(RuntimeError, match="already set"):
+        codecache.torch_key.set(b"")  # hashed
+    assert (inductor_config.compile_threads, inductor_config.cpp.vec_isa_ok) == (threads, isa_ok)
+    assert torch._dynamo.convert_frame.FRAME_COUNTER == 0  # no frame of it left
