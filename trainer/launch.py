@@ -1,7 +1,7 @@
 """``python -m trainer.launch [torchrun flags] -m trainer --config FILE``: torchrun for the trainer.
 
 The flags are torchrun's own (``torch.distributed.run``: the elastic agent, c10d rendezvous,
-``--nnodes``/``--rdzv-*`` for several nodes). Three things differ from plain ``torchrun``,
+``--nnodes``/``--rdzv-*`` for several nodes). Four things differ from plain ``torchrun``,
 each for time to start or time to recover:
 
 - **Ranks are forked from the agent.** The agent imports torch, TorchRec and the trainer
@@ -15,6 +15,8 @@ each for time to start or time to recover:
   SIGKILL; the next attempt resumes from the newest committed checkpoint either way. A
   SIGTERM sent to the agent itself (a real preemption) is still passed on as SIGTERM, with
   ``--shutdown-timeout`` to save.
+- **A single node joins its rendezvous at once**, without the random 0-0.3 s sleep torchrun
+  takes before a first join to spread many nodes' joins.
 - **The exit code is the first failed rank's** (infra/exit_codes.py; a signal ``s`` becomes
   ``128 + s``), so the orchestrator and ``ett train`` classify an attempt from the code alone
   instead of parsing torchrun's summary.
@@ -92,6 +94,23 @@ def _use_fail_fast_agent() -> None:
     api.LocalElasticAgent = FailFastAgent  # type: ignore[misc]  # the agent launch_agent builds
 
 
+def _no_join_jitter() -> None:
+    """A single node joins its rendezvous at once. torchrun's c10d rendezvous sleeps a random
+    0-0.3 s before a node's first join, to spread many nodes' joins over time: with one
+    node there is nobody to spread, and the sleep is on the path of every fresh launch's
+    Time to Start. Only that random delay (a range) is dropped; its fixed retry back-off
+    (a number) stays."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    delay = dynamic_rendezvous._delay
+
+    def fixed_only(seconds: float | tuple[float, float]) -> None:
+        if not isinstance(seconds, tuple):
+            delay(seconds)
+
+    dynamic_rendezvous._delay = fixed_only
+
+
 def _worker_exit_codes(pcontext: Any) -> dict[int, int | None]:
     """Exit codes of the agent's local ranks after a shutdown (fork or exec children)."""
     if pcontext is None:
@@ -150,6 +169,8 @@ def run(argv: Sequence[str]) -> int:
     else:
         entry, entry_args = cmd, cmd_args
     _use_fail_fast_agent()
+    if config.max_nodes == 1:
+        _no_join_jitter()
     try:
         elastic_launch(config=config, entrypoint=entry)(*entry_args)
         return ExitCode.SUCCESS
