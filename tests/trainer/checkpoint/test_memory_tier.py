@@ -519,3 +519,28 @@ def test_with_the_tier_off_nothing_is_written_to_shared_memory(tmp_path, group) 
 def test_a_bad_memory_tier_config_is_a_clear_error(tmp_path, memory, error) -> None:
     with pytest.raises(Exception, match=error):
         _config(tmp_path, memory)
+
+
+def test_a_copy_is_written_whole_when_the_kernel_takes_part_of_a_gather_write(
+    tmp_path, monkeypatch
+):
+    """A copy's tensors go to its slot in a few gather writes (``pwritev``); a write that
+    stores less than it was given must be finished, or the slot holds a hole that only the
+    digest would catch (and every copy would be lost). Split at every byte, the two halves
+    a copy is written in (``midway`` between them) still put each byte in its place."""
+    from trainer.checkpoint import memory_tier as tier_module
+
+    parts = [memoryview(bytes([i + 1]) * (3 * i + 1)) for i in range(6)]
+    whole = b"".join(parts)
+    for n in range(len(whole) + 1):
+        first, rest = tier_module._split_parts(parts, n)
+        assert b"".join(first) == whole[:n] and b"".join(rest) == whole[n:]
+    real = os.pwritev
+    monkeypatch.setattr(os, "pwritev", lambda fd, bufs, at: real(fd, [bytes(bufs[0])[:2]], at))
+    path = tmp_path / "slot"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        tier_module._write_parts(fd, parts, 5)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == bytes(5) + whole
