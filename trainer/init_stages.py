@@ -289,6 +289,7 @@ class Initializer:
         if not self.park.after_promotion:
             bind_device(self.device)
         if self.compile_state.enabled:
+            compiled.import_compiler()  # before the stages' threads import concurrently
             parts = compile_cache.key_parts(self.config, self.device, compiled.compile_options())
             self._key_parts = parts
             self.compile_state.job_id = f"ett-{compile_cache.cache_key(parts)}"

@@ -163,6 +163,9 @@ def run(argv: Sequence[str]) -> int:
     config, cmd, cmd_args = torchrun.config_from_args(args)
     if fork:
         import trainer.train  # noqa: F401 - imported once here, inherited by every forked rank
+        from trainer.compiled import import_compiler
+
+        import_compiler()  # the ranks' warm-up needs it: inherited too
 
         entry: Any = worker_main
         entry_args = list(args.training_script_args)
@@ -190,15 +193,15 @@ def _preimport() -> None:
     forked ranks inherit) and the compiler the ranks' warm-up loads, primed (its hashes,
     ISA probe and lazy setup done once here, not in each job's warm-up). CUDA is not
     touched, so the ranks can still be forked."""
-    import torch._inductor.compile_fx  # noqa: F401 - the ranks' compile warm-up needs it
     import torch.distributed.launcher.api  # noqa: F401
     import torch.distributed.run  # noqa: F401
 
     import trainer.train  # noqa: F401
-    from trainer.compiled import prime_compiler
+    from trainer.compiled import import_compiler, prime_compiler
     from trainer.distributed import import_functional_optimizers_unscripted
 
     import_functional_optimizers_unscripted()
+    import_compiler()  # the ranks' compile warm-up needs it
     prime_compiler()
 
 
