@@ -163,9 +163,6 @@ def run(argv: Sequence[str]) -> int:
     config, cmd, cmd_args = torchrun.config_from_args(args)
     if fork:
         import trainer.train  # noqa: F401 - imported once here, inherited by every forked rank
-        from trainer.compiled import import_compiler
-
-        import_compiler()  # the ranks' warm-up needs it: inherited too
 
         entry: Any = worker_main
         entry_args = list(args.training_script_args)
