@@ -95,12 +95,8 @@ def settle_vec_isa(known: bool | None) -> bool:
 
 
 def import_compiler() -> None:
-    """Import Inductor (and with it AOTAutograd and its partitioners: some 1,600 modules)
-    before init goes parallel, in a rank that compiles (a parked agent has already). Imported
-    lazily by the compile warm-up's thread while another stage's thread imports from the
-    same packages, a rank crashed with ``ModuleNotFoundError`` for a module that exists
-    (concurrent nested imports: pytorch/pytorch#182560). Done first, it costs the same time
-    (an A/B of the launch to the first step, 4 runs each: 3.65 s median against 3.60 s)."""
+    """Import Inductor (and with it AOTAutograd: some 1,600 modules), which the warm-up needs
+    first; a parked agent has already."""
     import torch._inductor.compile_fx  # noqa: F401
 
 

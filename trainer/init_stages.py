@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -211,6 +212,11 @@ class Initializer:
         self.standby = control is not None and control.standby
         self.compile_state = CompileState(enabled=config.train.compile)
         self.promoted = False
+        # Dynamo saves the global RNG state when it starts tracing a frame and sets it back
+        # when it ends: a model initialised or a checkpoint's RNG restored on another thread
+        # meanwhile would be undone. The stages that draw from or set that state, and the
+        # compile warm-up, take turns on this lock (imports and loading still overlap).
+        self._global_rng = threading.Lock()
         self._warm_copy: torch.nn.Module | None = None
         self._key_parts: dict[str, Any] = {}
 
@@ -289,7 +295,6 @@ class Initializer:
         if not self.park.after_promotion:
             bind_device(self.device)
         if self.compile_state.enabled:
-            compiled.import_compiler()  # before the stages' threads import concurrently
             parts = compile_cache.key_parts(self.config, self.device, compiled.compile_options())
             self._key_parts = parts
             self.compile_state.job_id = f"ett-{compile_cache.cache_key(parts)}"
@@ -317,15 +322,17 @@ class Initializer:
         )
 
     def model_build(self, attrs: dict[str, Any]) -> None:
-        self.host_model = build_host_model(self.config)
+        with self._global_rng:  # seeds, and draws the dense layers' initial weights
+            self.host_model = build_host_model(self.config)
         self.plan = sharding_plan(self.host_model, self.env)
         # Where the model is while a standby parks: "meta" (tables) and "cpu" (dense).
         attrs["model_devices"] = sorted({p.device.type for p in self.host_model.parameters()})
 
     def train_module_creation(self, attrs: dict[str, Any]) -> None:
-        self.model, self.optimizer = shard_train_module(
-            self.config, self.env, self.host_model, self.plan
-        )
+        with self._global_rng:  # draws the table shards' initial weights
+            self.model, self.optimizer = shard_train_module(
+                self.config, self.env, self.host_model, self.plan
+            )
         attrs["device"] = str(self.device)
         if self.compile_state.enabled:
             target = compiled.dense_module(self.model)
@@ -382,12 +389,14 @@ class Initializer:
                     span["vec_isa_reused"] = known is not None
                     if state.cache is not None:
                         state.cache.vec_isa_ok = state.vec_isa_ok
-                state.warmup = compiled.warm_up(
-                    self.config,
-                    self.device,
-                    self._warm_copy,
-                    eval_graph=self.config.train.eval == EvalMode.INLINE,
-                )
+                compiled.import_compiler()  # outside the lock: the other stages go on
+                with self._global_rng:  # Dynamo sets the RNG state back after tracing
+                    state.warmup = compiled.warm_up(
+                        self.config,
+                        self.device,
+                        self._warm_copy,
+                        eval_graph=self.config.train.eval == EvalMode.INLINE,
+                    )
                 span.update(state.warmup)
             except Exception as exc:  # the job trains eagerly rather than not at all
                 state.error = f"{type(exc).__name__}: {exc}"
@@ -426,7 +435,8 @@ class Initializer:
             states, plan_summary(self.plan), embedding_tables(self.host_model)
         )
         how = ResumeHow.PROMOTED if self.promoted else ResumeHow.COLD
-        self.resume = self.checkpointer.restore(how)
+        with self._global_rng:  # sets the checkpoint's RNG state
+            self.resume = self.checkpointer.restore(how)
         attrs["resumed_from_step"] = self.resume.step
 
     def get_first_batch_data(self, attrs: dict[str, Any]) -> None:
