@@ -2,6 +2,10 @@
 
 import sys
 
-from trainer.train import main
+from trainer import gc_policy
+
+gc_policy.pause()  # before the imports: see trainer/gc_policy.py
+
+from trainer.train import main  # noqa: E402
 
 sys.exit(main())

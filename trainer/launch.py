@@ -42,6 +42,7 @@ from typing import Any
 from infra import agent_protocol, log_lines
 from infra.exit_codes import ExitCode, name_of
 from infra.processes import die_with_parent
+from trainer import gc_policy
 
 log = logging.getLogger("trainer.launch")
 
@@ -171,6 +172,7 @@ def run(argv: Sequence[str]) -> int:
     _use_fail_fast_agent()
     if config.max_nodes == 1:
         _no_join_jitter()
+    gc_policy.settle()  # imported: what the forked ranks share
     try:
         elastic_launch(config=config, entrypoint=entry)(*entry_args)
         return ExitCode.SUCCESS
@@ -213,6 +215,7 @@ def park(fd: int) -> int:
     # Taken before the imports: a file edited while they run (seconds) then differs from
     # what the claim compares, and this agent is refused rather than running stale code.
     fingerprint = agent_protocol.code_fingerprint()
+    gc_policy.pause()
     _preimport()
     try:
         agent_protocol.send(sock, {"ready": True, "pid": os.getpid(), "fingerprint": fingerprint})
@@ -248,6 +251,7 @@ def park(fd: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    gc_policy.pause()  # until the imports are done (trainer/gc_policy.py)
     logging.basicConfig(level=logging.WARNING, format=log_lines.line_format("launcher"))
     # The agent's own report of a failed rank is a traceback of torch.distributed internals
     # that says nothing about the job: one line above names the rank and its exit code.

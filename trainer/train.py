@@ -39,6 +39,7 @@ from infra.job_layout import JobLayout
 from infra.lease import JobLocked, trainer_lease
 from infra.processes import die_with_parent
 from infra.settings import ConsensusMode, EvalMode, JobConfig, load_config, load_resolved
+from trainer import gc_policy
 from trainer.checkpoint.interval import FailureHistory
 from trainer.consensus import StepConsensus
 from trainer.data.batch import Batch
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     """A rank's process: parse, build, train, close. It never outlives its launcher, and
     its exit code is what the orchestrator learns of how it ended."""
     die_with_parent()
+    gc_policy.pause()  # until init is done (trainer/gc_policy.py)
     try:
         control = RankControl.from_env(int(os.environ.get("LOCAL_RANK", "0")))
     except FileNotFoundError as exc:  # the orchestrator ended this attempt before it started
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         config = parse(argv)
         with attempt(config, control) as (ledger, preemption):
             parts = Initializer(config, ledger, control).run()
+            gc_policy.settle()
             code = train(config, parts, ledger, preemption, control)
     except tuple(EXIT_CODES) as exc:
         code = exit_code_of(exc)
