@@ -777,6 +777,27 @@ BREAKS = (
         (("        if not isinstance(seconds, tuple):\n", "        if False:\n"),),
         ("tests/trainer/test_launch.py",),
     ),
+    Break(
+        "B85",
+        "start's frozen objects are not thawed at exit (Triton reports them as leaked)",
+        "trainer/gc_policy.py",
+        (("        atexit.register(gc.unfreeze)\n", ""),),
+        ("tests/trainer/test_gc_policy.py",),
+    ),
+    Break(
+        "B86",
+        "a started rank does not freeze: every later full collection walks torch's objects",
+        "trainer/gc_policy.py",
+        (("    gc.freeze()\n", ""),),
+        ("tests/trainer/test_gc_policy.py",),
+    ),
+    Break(
+        "B87",
+        "the collector stays off once the rank has started (cyclic garbage is never freed)",
+        "trainer/gc_policy.py",
+        (("    gc.enable()\n", ""),),
+        ("tests/trainer/test_gc_policy.py",),
+    ),
 )
 
 

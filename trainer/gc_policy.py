@@ -32,10 +32,16 @@ def pause() -> None:
     gc.disable()
 
 
+_thaw_registered = False  # a forked rank inherits it with its parent's atexit handlers
+
+
 def settle() -> None:
-    """The process has started: freeze what it holds, and collect again from here on."""
-    if not gc.get_freeze_count():  # once per process (a forked rank inherits the handler)
+    """The process has started: freeze what it holds, and collect again from here on.
+    (Not ``gc.get_freeze_count()``: it walks every frozen object, some 50 ms.)"""
+    global _thaw_registered
+    if not _thaw_registered:
         atexit.register(gc.unfreeze)
+        _thaw_registered = True
     gc.freeze()
     gc.enable()
-    log.info("started: %d objects frozen, garbage collection on", gc.get_freeze_count())
+    log.info("started: what this process holds is frozen, garbage collection is on")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -192,10 +191,9 @@ def test_corrupt_cache_is_skipped_and_the_job_trains(tmp_path):
     out = result.stdout + result.stderr
     assert result.returncode == ExitCode.SUCCESS, out[-4000:]
     assert "compile cache" in out and "skipped (corrupt)" in out
-    # Once started the rank froze what it held (torch's objects, not a handful), and at exit
-    # nothing frozen was reported as leaked (trainer/gc_policy.py).
-    frozen = re.search(r"started: (\d+) objects frozen", out)
-    assert frozen and int(frozen[1]) > 100_000, out[-4000:]
+    # Once started the rank froze what it held, and at exit nothing frozen was reported as
+    # leaked (trainer/gc_policy.py).
+    assert "started: what this process holds is frozen" in out
     assert "leaked" not in out
 
     events = read_events(config.layout)
