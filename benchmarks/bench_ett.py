@@ -26,6 +26,12 @@ attempt (attempts 0, 1, 2); in the optimized runs the crash is recovered inside 
 so the SIGKILL also lands in attempt 0 and the preemption in attempt 1.
 
     .venv/bin/python benchmarks/bench_ett.py [--steps 5000] [--only optimized,...] [--pool]
+        [--repeats N]
+
+``--repeats N``: the variants N times, their order reversed each time (A B, B A, A B): a
+job's wall time follows the machine's step time, which drifts over a run more than some
+differences between variants, so one pair cannot show them. The table then adds every job,
+the medians, and each later variant's wall time over the first's in the same repeat.
 
 ``--pool``: the optimized jobs' launchers are claimed from a warm agent pool (``ett pool``,
 tasks/agent_pool.py) instead of fresh interpreters: its first attempt starts from an agent
@@ -45,6 +51,7 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -71,8 +78,13 @@ ATTEMPTS = {"baseline": (0, 1, 2), "no_memory_tier": (0, 0, 1), "optimized": (0,
 OUT = ROOT / "benchmarks" / "results"
 
 
-def job_url(work: Path, variant: str) -> str:
-    return f"file://{work}/{variant}/store/jobs/ett-{variant}"
+def job_id(variant: str, repeat: int = 0) -> str:
+    """``ett-VARIANT``; a later repeat is a new job under the same storage root."""
+    return f"ett-{variant}" + (f"-r{repeat}" if repeat else "")
+
+
+def job_url(work: Path, variant: str, repeat: int = 0) -> str:
+    return f"file://{work}/{variant}/store/jobs/{job_id(variant, repeat)}"
 
 
 def faults(variant: str, steps: int) -> list[dict[str, Any]]:
@@ -82,9 +94,9 @@ def faults(variant: str, steps: int) -> list[dict[str, Any]]:
     ]
 
 
-def overrides(variant: str, work: Path, steps: int) -> dict[str, Any]:
+def overrides(variant: str, work: Path, steps: int, repeat: int = 0) -> dict[str, Any]:
     common = {
-        "job_id": f"ett-{variant}",
+        "job_id": job_id(variant, repeat),
         "storage": {"root": f"file://{work}/{variant}/store"},
         "data": {"url": f"file://{work}/data"},
         "train": {"steps": steps},
@@ -131,11 +143,13 @@ def launched_as(variant: str) -> Iterator[None]:
         LaunchSpec.of = original  # type: ignore[method-assign]
 
 
-def run_variant(variant: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+def run_variant(
+    variant: str, work: Path, args: argparse.Namespace, repeat: int = 0
+) -> dict[str, Any]:
     import flows.train_flow as train_module
 
-    path = work / f"{variant}.yaml"
-    dump_config(load_config(**overrides(variant, work, args.steps)), path)
+    path = work / f"{job_id(variant, repeat)}.yaml"
+    dump_config(load_config(**overrides(variant, work, args.steps, repeat)), path)
     with launched_as(variant):
         t0 = time.monotonic()
         run_overrides = {
@@ -146,6 +160,7 @@ def run_variant(variant: str, work: Path, args: argparse.Namespace) -> dict[str,
         flow_s = time.monotonic() - t0
     report = report_for_job(JobLayout.at(result["job_url"]))
     row = summarize(variant, report)
+    row["repeat"] = repeat
     row["flow_s"] = round(flow_s, 1)
     row["attempts"] = result["attempts"]
     if variant in OPTIMIZED and result["anchor"]:
@@ -223,6 +238,69 @@ def agent_pool(work: Path, enabled: bool) -> Iterator[None]:
         os.environ.pop(ENV_POOL, None)
         if pool.stop() != 0:
             raise RuntimeError(f"ett pool failed:\n{pool.text()}")
+
+
+def schedule(variants: list[str], repeats: int) -> list[tuple[int, str]]:
+    """(repeat, variant) in run order: each repeat reverses the previous one's order, so a
+    drift of the machine's speed over the run does not always favour the same variant."""
+    return [
+        (repeat, variant)
+        for repeat in range(repeats)
+        for variant in (variants if repeat % 2 == 0 else variants[::-1])
+    ]
+
+
+REPEATED = ("ett_pct", "wall_s", "lost_s", "unsaved_training_s", "time_to_start_s")
+
+
+def repeats_summary(rows: list[dict[str, Any]], variants: list[str]) -> dict[str, Any]:
+    """Each variant's medians over the repeats, and each later variant's wall time over the
+    first variant's in the same repeat (the pair ratio), per repeat and its median."""
+    first = variants[0]
+    medians = {
+        v: {
+            key: round(statistics.median(r[key] for r in rows if r["variant"] == v), 5)
+            for key in (*REPEATED, "step_time_median_s")
+        }
+        for v in variants
+    }
+    walls = {(r["repeat"], r["variant"]): r["wall_s"] for r in rows}
+    repeats = sorted({r["repeat"] for r in rows})
+    ratios = {v: [round(walls[n, v] / walls[n, first], 4) for n in repeats] for v in variants[1:]}
+    return {
+        "medians": medians,
+        "wall_ratio_to": first,
+        "wall_ratios": ratios,
+        "wall_ratio_median": {v: round(statistics.median(x), 4) for v, x in ratios.items()},
+    }
+
+
+def repeats_markdown(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+    lines = [
+        "| repeat | variant | ETT% | wall (s) | lost (s) | redone (s) | Time to Start (s) "
+        "| step median (ms) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['repeat']} | {r['variant']} | {r['ett_pct']:.1f} | {r['wall_s']:.1f} "
+            f"| {r['lost_s']:.1f} | {r['unsaved_training_s']:.2f} | {r['time_to_start_s']:.1f} "
+            f"| {r['step_time_median_s'] * 1e3:.1f} |"
+        )
+    for v, m in summary["medians"].items():
+        lines.append(
+            f"| median | {v} | {m['ett_pct']:.1f} | {m['wall_s']:.1f} | {m['lost_s']:.1f} "
+            f"| {m['unsaved_training_s']:.2f} | {m['time_to_start_s']:.1f} "
+            f"| {m['step_time_median_s'] * 1e3:.1f} |"
+        )
+    first = summary["wall_ratio_to"]
+    for v, ratios in summary["wall_ratios"].items():
+        each = ", ".join(f"{x:.3f}" for x in ratios)
+        lines.append(
+            f"\nWall time, {v} / {first}, per repeat: {each}; "
+            f"median **{summary['wall_ratio_median'][v]:.3f}**"
+        )
+    return "\n".join(lines)
 
 
 def markdown(rows: list[dict[str, Any]], ratio: float | None) -> str:
@@ -318,6 +396,14 @@ def main() -> int:
         action="store_true",
         help="the optimized job claims its launchers from `ett pool` (ETT_LAUNCH__AGENT_POOL)",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the variants this many times, in alternating order (A B, B A, ...); the "
+        "table adds each job's row, medians and each later variant's wall time over the "
+        "first's, per repeat",
+    )
     parser.add_argument("--work-dir", help="keep data and jobs here (default: a temp dir)")
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument(
@@ -326,6 +412,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.report_only and not args.work_dir:
         parser.error("--report-only needs the --work-dir of the runs")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, not {args.repeats}")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
@@ -339,18 +427,21 @@ def main() -> int:
     variants = args.only or list(VARIANTS)
     rows = []
     started = time.time()
-    for variant in variants:
+    for repeat, variant in schedule(variants, args.repeats):
         if args.report_only:  # the jobs ran already under --work-dir: tables again
-            rows.append(summarize(variant, report_for_job(JobLayout.at(job_url(work, variant)))))
+            url = job_url(work, variant, repeat)
+            rows.append({**summarize(variant, report_for_job(JobLayout.at(url))), "repeat": repeat})
             continue
         pooled = args.pool and variant in OPTIMIZED
-        if variant in OPTIMIZED:
+        if variant in OPTIMIZED and repeat == 0:  # later repeats find the cache warm
             prewarm(work, variant)
         with agent_pool(work, enabled=pooled):
-            rows.append(run_variant(variant, work, args))
+            rows.append(run_variant(variant, work, args, repeat))
         rows[-1]["agent_pool"] = pooled
-        print(f"# {variant}: ETT {rows[-1]['ett_pct']:.1f}%", flush=True)
-    by = {r["variant"]: r for r in rows}
+        print(f"# {variant}, repeat {repeat}: ETT {rows[-1]['ett_pct']:.1f}%", flush=True)
+    repeats = repeats_summary(rows, variants) if args.repeats > 1 else None
+    rows_first = [r for r in rows if r["repeat"] == 0]
+    by = {r["variant"]: r for r in rows_first}
     ratio = None
     if {"baseline", "optimized"} <= set(by) and by["optimized"]["lost_s"] > 0:
         ratio = by["baseline"]["lost_s"] / by["optimized"]["lost_s"]
@@ -363,7 +454,9 @@ def main() -> int:
         "backoff_s": args.backoff_s,
         "baseline_checkpoint_every_steps": BASELINE_EVERY_STEPS,
         "lost_time_ratio": None if ratio is None else round(ratio, 2),
+        "repeats": args.repeats,
         "rows": rows,
+        "repeats_summary": repeats,
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
@@ -374,9 +467,11 @@ def main() -> int:
     }
     suffix = ("-" + "-".join(variants) if args.only else "") + ("-pool" if args.pool else "")
     (out / f"ett{suffix}.json").write_text(json.dumps(result, indent=2))
-    table = markdown(rows, ratio)
+    table = markdown(rows_first, ratio)
+    if repeats is not None:
+        table += "\n\n" + repeats_markdown(rows, repeats)
     (out / f"ett{suffix}.md").write_text(table + "\n")
-    plot(rows, out / f"ett{suffix}.png")
+    plot(rows_first, out / f"ett{suffix}.png")
     print(table)
     if {"baseline", "optimized"} <= set(by):
         simulate(work, out / "simulate")
