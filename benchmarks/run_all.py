@@ -15,6 +15,7 @@ BENCHMARKS = [
     "bench_ledger.py",
     "bench_checkpoint.py",
     "bench_startup.py",
+    "bench_gc.py",
     "bench_attention.py",
     "bench_towers.py",
     "bench_publish.py",
