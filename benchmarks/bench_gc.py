@@ -64,8 +64,8 @@ def run_job(work: Path, variant: str, name: str, steps: int) -> dict[str, Any]:
         raise RuntimeError(f"{name}: exit code {proc.returncode}\n{proc.stderr[-3000:]}")
     events = read_events(config.layout)
     rank_pid = next(e.attrs["pid"] for e in events if e.name == Mark.ATTEMPT_START)
-    steps = [e for e in events if e.name == Span.TRAIN_STEP]
-    first_step, last_step = min(e.start for e in steps), max(e.end for e in steps)
+    spans = [e for e in events if e.name == Span.TRAIN_STEP]
+    first_step, last_step = min(e.start for e in spans), max(e.end for e in spans)
     start: dict[str, list[float]] = {"launcher": [], "rank": []}
     loop: list[float] = []
     after: list[float] = []  # the processes' exits
